@@ -1,0 +1,249 @@
+"""The `smp` facade: `init()`, rank queries and object collectives.
+
+This is the ONE module with process-wide state (STYLE.md): `init()` fills `_STATE`; every core class
+receives its topology, engine and config explicitly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardpar.collectives import CommStats, CountingEngine, Engine, Group, make_engine
+from shardpar.collectives.native import all_gather_object, broadcast_object
+from shardpar.config import Config
+from shardpar.topology import Plan, Topology, plan
+
+
+class CommGroup(enum.Enum):
+    """Groups a user can address (the SageMaker v1 names, plus the two sharded-data-parallel ones)."""
+
+    WORLD = "world"
+    DP_GROUP = "world"  # pipeline_parallel_degree is always 1 here, so DP == WORLD
+    PP_GROUP = "pp"
+    TP_GROUP = "tp"
+    MP_GROUP = "tp"  # model parallel = tp x pp, and pp is 1
+    RDP_GROUP = "rdp"
+    SDP_GROUP = "sharding"
+    REPLICATION_GROUP = "replication"
+    NODE_GROUP = "node"
+
+
+@dataclass
+class _State:
+    config: Config
+    plan: Plan
+    topology: Topology
+    engine: CountingEngine
+    owns_default_group: bool
+    local_rank: int
+    local_size: int
+    device: torch.device
+
+
+_STATE: _State | None = None
+
+
+def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
+    """Validate `config`, join (or start) the process group and build the topology and engine.
+
+    `config` is a dict (flat or SageMaker's {"enabled": True, "parameters": {...}}), a JSON/TOML path,
+    a `Config`, or None to read the environment. Runs as a world of one when no launcher set
+    WORLD_SIZE. Every configuration error is raised before any process group is created.
+    """
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("smp.init() was already called in this process; call smp.shutdown() first")
+    cfg = Config.from_any(config)
+    world, rank = _world_and_rank()
+    cfg.check_world(world)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = _pick_device(local_rank)
+    owns = _init_default_group(world, rank, cfg.collective_timeout_s, device)
+    the_plan = plan(
+        world, cfg.tensor_parallel_degree, cfg.sharded_data_parallel_degree, cfg.ranks_per_node or local_size
+    )
+    topology = Topology(the_plan, rank, timeout_s=cfg.collective_timeout_s)
+    engine = CountingEngine(make_engine(cfg.ddp_dist_backend, timeout_s=cfg.collective_timeout_s))
+    _STATE = _State(cfg, the_plan, topology, engine, owns, local_rank, local_size, device)
+    return cfg
+
+
+def shutdown() -> None:
+    """Release the topology's process groups (and the default group if `init` created it)."""
+    global _STATE
+    if _STATE is None:
+        return
+    state, _STATE = _STATE, None
+    if not dist.is_initialized():
+        return
+    seen: set[int] = set()
+    for group in state.topology.groups.values():
+        pg = group.handle
+        if pg is None or pg is dist.group.WORLD or id(pg) in seen:
+            continue
+        seen.add(id(pg))
+        dist.destroy_process_group(pg)
+    if state.owns_default_group:
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def _world_and_rank() -> tuple[int, int]:
+    if "WORLD_SIZE" not in os.environ:
+        if dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank()
+        return 1, 0
+    try:
+        return int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
+    except ValueError:
+        raise ValueError(
+            f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} / RANK={os.environ.get('RANK')!r} are not integers; "
+            "launch with torchrun or unset them to run as a single process"
+        ) from None
+
+
+def _pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _init_default_group(world: int, rank: int, timeout_s: float, device: torch.device) -> bool:
+    """Start the default process group unless the user (or a test harness) already did."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world:
+            raise RuntimeError(f"default process group has {dist.get_world_size()} ranks, WORLD_SIZE says {world}")
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        # No launcher: a private in-process store, no network.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if var not in os.environ:
+                raise ValueError(f"WORLD_SIZE={world} but {var} is not set; launch with torchrun")
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    return True
+
+
+def state() -> _State:
+    """The facade state; a clear error when `init` has not run."""
+    if _STATE is None:
+        raise RuntimeError("shardpar is not initialised: call smp.init(config) before using smp.* queries")
+    return _STATE
+
+
+# ---- rank queries (SageMaker v1 names) -----------------------------------------------------------
+
+
+def rank() -> int:
+    return state().topology.rank
+
+
+def size() -> int:
+    return state().plan.world
+
+
+def local_rank() -> int:
+    return state().local_rank
+
+
+def local_size() -> int:
+    return state().local_size
+
+
+def dp_rank() -> int:
+    return rank()
+
+
+def dp_size() -> int:
+    return size()
+
+
+def rdp_rank() -> int:
+    return state().topology.coords.rdp_rank
+
+
+def rdp_size() -> int:
+    return state().plan.rdp
+
+
+def tp_rank() -> int:
+    return state().topology.coords.tp_rank
+
+
+def tp_size() -> int:
+    return state().plan.tp
+
+
+def sdp_rank() -> int:
+    return state().topology.coords.sdp_rank
+
+
+def sdp_size() -> int:
+    return state().plan.sdp
+
+
+def replica_rank() -> int:
+    """Which sharding group (model replica) this rank belongs to."""
+    return state().topology.coords.replica
+
+
+def get_config() -> Config:
+    return state().config
+
+
+def get_topology() -> Topology:
+    return state().topology
+
+
+def get_engine() -> Engine:
+    return state().engine
+
+
+def comm_stats() -> CommStats:
+    return state().engine.stats
+
+
+def device() -> torch.device:
+    return state().device
+
+
+# ---- object collectives --------------------------------------------------------------------------
+
+
+def _group(group: CommGroup) -> Group:
+    if group is CommGroup.PP_GROUP:
+        return Group("pp", (rank(),), state().topology.groups["world"].handle)
+    return state().topology.group(group.value)
+
+
+def barrier(group: CommGroup = CommGroup.WORLD) -> None:
+    st = state()
+    st.engine.barrier(_group(group))
+
+
+def broadcast(obj: Any, group: CommGroup = CommGroup.WORLD, *, src: int | None = None) -> Any:
+    """The object held by global rank `src` (default: the group's first rank), on every member."""
+    g = _group(group)
+    return broadcast_object(obj, g.ranks[0] if src is None else src, g)
+
+
+def allgather(obj: Any, group: CommGroup = CommGroup.WORLD) -> list[Any]:
+    """Every member's object, in group order."""
+    return all_gather_object(obj, _group(group))

@@ -1,0 +1,117 @@
+"""The Engine protocol: every collective shardpar issues goes through one of these.
+
+An engine works on flat tensors and explicit groups. Calls return a `Work` handle; with
+``async_op=False`` the handle is already complete when the call returns. Byte accounting is done by
+`shardpar.collectives.stats.CountingEngine`, which wraps any engine.
+
+Shapes (n = group.size):
+
+    all_gather:      input [k]        -> output [n*k]   (block i of output is rank i's input)
+    reduce_scatter:  input [n*k]      -> output [k]     (rank i gets the reduced block i)
+    all_reduce:      tensor [k]       -> tensor [k]     (in place)
+    broadcast:       tensor [k]       -> tensor [k]     (in place, from global rank `src`)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of global ranks that communicate together, plus the backend object that serves it.
+
+    `kind` is a glossary word ("sharding", "replication", "tp", ...) used by the byte accounting;
+    `handle` is whatever the engine needs (a torch ProcessGroup for the native engine), or None when
+    this rank is not a member.
+    """
+
+    kind: str
+    ranks: tuple[int, ...]
+    handle: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank_of(self, global_rank: int) -> int:
+        """Position of `global_rank` inside this group."""
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise AssertionError(f"rank {global_rank} is not in {self.kind} group {self.ranks}") from None
+
+
+@runtime_checkable
+class Work(Protocol):
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the collective finished; raise on failure or after `timeout` seconds."""
+        ...
+
+    def is_completed(self) -> bool: ...
+
+
+class CompletedWork:
+    """The handle of a collective that already finished (synchronous calls, groups of one)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the runtime needs from a collective backend."""
+
+    name: str
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False
+    ) -> Work: ...
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Group,
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Work: ...
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: Group, *, op: ReduceOp = ReduceOp.SUM, async_op: bool = False
+    ) -> Work: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False) -> Work: ...
+
+    def barrier(self, group: Group) -> None: ...
+
+    def alloc_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A communication buffer owned by the engine (shared memory, registered memory, ...)."""
+        ...
+
+
+def check_gather_shapes(output: torch.Tensor, input: torch.Tensor, group: Group, op: str) -> None:
+    """Validate the flat-tensor contract shared by all_gather and reduce_scatter."""
+    big, small = (output, input) if op == "all_gather" else (input, output)
+    if big.numel() != small.numel() * group.size:
+        raise ValueError(
+            f"{op}: the large tensor has {big.numel()} elements but must have "
+            f"group size {group.size} x {small.numel()} = {group.size * small.numel()}"
+        )
+    if big.dtype != small.dtype:
+        raise ValueError(f"{op}: dtypes differ ({input.dtype} in, {output.dtype} out); use one dtype")
+    if not (big.is_contiguous() and small.is_contiguous()):
+        raise ValueError(f"{op}: tensors must be contiguous; call .contiguous() first")

@@ -1,0 +1,146 @@
+"""NativeEngine: collectives over torch.distributed (NCCL on CUDA, gloo on CPU).
+
+Raw torch.distributed calls live here and in topology.py only (DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardpar.collectives.base import CompletedWork, Group, ReduceOp, Work, check_gather_shapes
+
+
+class NativeWork:
+    """Wraps a torch.distributed Work; finishes an AVG that the backend could only do as SUM."""
+
+    def __init__(self, work: Any, *, timeout_s: float, finish: Any = None) -> None:
+        self._work = work
+        self._timeout_s = timeout_s
+        self._finish = finish
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._done:
+            return
+        seconds = self._timeout_s if timeout is None else timeout
+        self._work.wait(datetime.timedelta(seconds=seconds))
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done or bool(self._work.is_completed())
+
+
+class NativeEngine:
+    """The torch.distributed engine. `timeout_s` bounds every wait: a dead peer becomes an error."""
+
+    name = "native"
+
+    def __init__(self, *, timeout_s: float = 300.0) -> None:
+        self.timeout_s = timeout_s
+
+    def _run(self, group: Group, launch: Any, async_op: bool, finish: Any = None) -> Work:
+        if group.handle is None:
+            raise AssertionError(f"this rank is not a member of {group.kind} group {group.ranks}")
+        work = NativeWork(launch(), timeout_s=self.timeout_s, finish=finish)
+        if not async_op:
+            work.wait()
+            return CompletedWork()
+        return work
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False) -> Work:
+        check_gather_shapes(output, input, group, "all_gather")
+        if group.size == 1:
+            output.copy_(input)
+            return CompletedWork()
+        return self._run(
+            group, lambda: dist.all_gather_single(output, input, group=group.handle, async_op=True), async_op
+        )
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Group,
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Work:
+        check_gather_shapes(output, input, group, "reduce_scatter")
+        if group.size == 1:
+            output.copy_(input)
+            return CompletedWork()
+        torch_op, finish = self._reduce_op(op, output, group)
+        return self._run(
+            group,
+            lambda: dist.reduce_scatter_single(output, input, op=torch_op, group=group.handle, async_op=True),
+            async_op,
+            finish,
+        )
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: Group, *, op: ReduceOp = ReduceOp.SUM, async_op: bool = False
+    ) -> Work:
+        if group.size == 1:
+            return CompletedWork()
+        torch_op, finish = self._reduce_op(op, tensor, group)
+        return self._run(
+            group, lambda: dist.all_reduce(tensor, op=torch_op, group=group.handle, async_op=True), async_op, finish
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False) -> Work:
+        if src not in group.ranks:
+            raise ValueError(f"broadcast: src rank {src} is not in {group.kind} group {group.ranks}")
+        if group.size == 1:
+            return CompletedWork()
+        return self._run(group, lambda: dist.broadcast(tensor, src=src, group=group.handle, async_op=True), async_op)
+
+    def barrier(self, group: Group) -> None:
+        if group.size == 1:
+            return
+        # A tiny all_reduce instead of dist.barrier: it honours our timeout on every backend and
+        # needs no device guess for NCCL.
+        flag = torch.zeros(1, device=self._device(group))
+        self.all_reduce(flag, group)
+
+    def alloc_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def _reduce_op(self, op: ReduceOp, tensor: torch.Tensor, group: Group) -> tuple[Any, Any]:
+        if op is ReduceOp.SUM:
+            return dist.ReduceOp.SUM, None
+        if tensor.is_cuda:
+            return dist.ReduceOp.AVG, None
+        # gloo has no AVG: sum, then divide in place once the data arrived.
+        size = group.size
+        return dist.ReduceOp.SUM, lambda: tensor.div_(size)
+
+    @staticmethod
+    def _device(group: Group) -> torch.device:
+        backend = dist.get_backend(group.handle)
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def broadcast_object(obj: Any, src: int, group: Group) -> Any:
+    """Send a picklable Python object from global rank `src` to every rank of `group`."""
+    if group.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group.handle)
+    return box[0]
+
+
+def all_gather_object(obj: Any, group: Group) -> list[Any]:
+    """Every rank's `obj`, in group order."""
+    if group.size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.handle)
+    return out

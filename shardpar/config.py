@@ -1,0 +1,282 @@
+"""Every shardpar knob in one validated, frozen `Config`.
+
+Names and defaults follow the SageMaker model parallel reference (003, "sharded data parallelism"):
+a user can paste their `smp_options` dict unchanged. Validation happens in two stages, both before
+any process group exists:
+
+* `Config.from_any(...)` checks each knob on its own and the rules between knobs;
+* `config.check_world(world)` checks the rules that need the world size (divisibility).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+ENGINE_CHOICES = ("auto", "nccl", "smddp")
+SMDDP_BUFFER_ALIGN = 8192
+
+# Keys a SageMaker smp_options dict carries that mean nothing here but must not be rejected:
+# "ddp" must be True under sharded data parallelism (there is no other mode), "partitions" is the
+# v1 spelling of pipeline_parallel_degree.
+_ALIASES = {"partitions": "pipeline_parallel_degree"}
+_ACCEPTED_ONLY = {"ddp": True}
+
+_ENV_PREFIX = "SHARDPAR_"
+
+
+def _knob(default: Any, doc: str, *, minimum: float | None = None, exclusive: bool = False) -> Any:
+    return field(default=default, metadata={"doc": doc, "minimum": minimum, "exclusive": exclusive})
+
+
+@dataclass(frozen=True)
+class Config:
+    sharded_data_parallel_degree: int = _knob(1, "ranks a parameter is sharded over", minimum=1)
+    tensor_parallel_degree: int = _knob(1, "ranks a layer is split over (TP groups form first)", minimum=1)
+    pipeline_parallel_degree: int = _knob(1, "must be 1: MiCS does not compose with pipelines", minimum=1)
+    shard_optimizer_state: bool = _knob(False, "must be False with sdp > 1 (state is already sharded)")
+    sdp_reduce_bucket_size: int = _knob(
+        int(5e8), "elements per gradient ReduceScatter bucket", minimum=0, exclusive=True
+    )
+    sdp_param_persistence_threshold: int = _knob(
+        int(1e6), "parameters with fewer elements stay whole on every rank", minimum=0
+    )
+    sdp_max_live_parameters: int = _knob(int(1e9), "cap on unsharded elements alive at once", minimum=0, exclusive=True)
+    sdp_hierarchical_allgather: bool = _knob(True, "intra-node/inter-node AllGather when groups span nodes")
+    sdp_gradient_clipping: float = _knob(1.0, "global L2 max norm applied in optimizer.step(); 0 = off", minimum=0)
+    fp16: bool = _knob(False, "fp16 compute with loss scaling")
+    bf16: bool = _knob(False, "bf16 compute")
+    ddp_dist_backend: str = _knob("auto", "collective engine: auto | nccl (native torch.distributed) | smddp")
+    prescaled_batch: bool = _knob(False, "the TP group reads one combined batch")
+    delayed_parameter_initialization: bool = _knob(False, "each rank materialises only its shards")
+    microbatches: int = _knob(1, "smp.step splits the batch into this many micro-batches", minimum=1)
+    # shardpar's own knobs (not in the reference).
+    ranks_per_node: int | None = _knob(None, "ranks per host; None = LOCAL_WORLD_SIZE", minimum=1)
+    collective_timeout_s: float = _knob(
+        300.0, "seconds any collective may wait before a peer is declared dead", minimum=0, exclusive=True
+    )
+    # Read from the SMDDP_* environment variables (reference 003, "Performance and memory tuning").
+    smddp_ag_scratch_buffer_size_bytes: int = _knob(16 * 1024 * 1024, "env SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES")
+    smddp_ag_sort_buffer_size_bytes: int = _knob(128 * 1024 * 1024, "env SMDDP_AG_SORT_BUFFER_SIZE_BYTES")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name)))
+        self._check_rules()
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_any(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
+        """Build from a Config, a flat or SageMaker-form dict, a JSON/TOML path, or (None) the env."""
+        if isinstance(source, Config):
+            return source
+        if source is None:
+            return cls.from_env()
+        if isinstance(source, (str, os.PathLike)):
+            return cls.from_dict(_read_file(Path(source)))
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        raise TypeError(
+            f"config must be a dict, a JSON/TOML file path or None (environment), got {type(source).__name__}"
+        )
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> Config:
+        params = _unwrap_sagemaker(raw)
+        kwargs = _smddp_env(os.environ if env is None else env)
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in params.items():
+            key = _ALIASES.get(key, key)
+            if key in _ACCEPTED_ONLY:
+                if value != _ACCEPTED_ONLY[key]:
+                    raise ValueError(f"{key}={value!r} is not supported: shardpar always runs with {key}=True")
+                continue
+            if key not in names:
+                raise ValueError(_unknown_key_message(key, names))
+            kwargs[key] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        """SHARDPAR_CONFIG (JSON text or file path), SM_HP_MP_PARAMETERS (SageMaker), SHARDPAR_<KNOB>."""
+        env = os.environ if env is None else env
+        raw: dict[str, Any] = {}
+        if "SM_HP_MP_PARAMETERS" in env:
+            raw.update(json.loads(env["SM_HP_MP_PARAMETERS"]))
+        if "SHARDPAR_CONFIG" in env:
+            text = env["SHARDPAR_CONFIG"].strip()
+            raw.update(json.loads(text) if text.startswith("{") else _read_file(Path(text)))
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in env.items():
+            if key.startswith(_ENV_PREFIX) and key != "SHARDPAR_CONFIG":
+                knob = key[len(_ENV_PREFIX) :].lower()
+                if knob not in names:
+                    raise ValueError(f"environment variable {key}: " + _unknown_key_message(knob, names))
+                raw[knob] = _parse_env_value(value)
+        return cls.from_dict(raw, env=env)
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    # ---- rules -------------------------------------------------------------------------------
+
+    def _check_rules(self) -> None:
+        sdp = self.sharded_data_parallel_degree
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16=True and bf16=True were both set; choose one mixed-precision mode")
+        if self.ddp_dist_backend not in ENGINE_CHOICES:
+            raise ValueError(
+                f"ddp_dist_backend={self.ddp_dist_backend!r} is not one of {ENGINE_CHOICES}; "
+                "use 'auto' (smddp where supported), 'nccl' (native torch.distributed) or 'smddp'"
+            )
+        if sdp > 1 and self.pipeline_parallel_degree > 1:
+            raise ValueError(
+                f"pipeline_parallel_degree={self.pipeline_parallel_degree} with sharded_data_parallel_degree="
+                f"{sdp}: sharded data parallelism does not compose with pipeline parallelism; "
+                "set pipeline_parallel_degree=1"
+            )
+        if sdp > 1 and self.shard_optimizer_state:
+            raise ValueError(
+                f"shard_optimizer_state=True with sharded_data_parallel_degree={sdp}: the optimizer state is "
+                "already sharded by sharded data parallelism; set shard_optimizer_state=False"
+            )
+        if sdp > 1 and self.tensor_parallel_degree > 1 and not self.prescaled_batch:
+            raise ValueError(
+                f"tensor_parallel_degree={self.tensor_parallel_degree} with sharded_data_parallel_degree={sdp} "
+                "requires prescaled_batch=True (each TP group reads one combined batch); set it"
+            )
+        for name in ("smddp_ag_scratch_buffer_size_bytes", "smddp_ag_sort_buffer_size_bytes"):
+            value = getattr(self, name)
+            if value <= 0 or value % SMDDP_BUFFER_ALIGN:
+                env_name = name.upper()
+                good = max(SMDDP_BUFFER_ALIGN, -(-value // SMDDP_BUFFER_ALIGN) * SMDDP_BUFFER_ALIGN)
+                raise ValueError(
+                    f"{env_name}={value} must be a positive multiple of {SMDDP_BUFFER_ALIGN} bytes; try {good}"
+                )
+
+    def check_world(self, world: int) -> None:
+        """Rules that need the world size; raise before any process group is created."""
+        tp, sdp = self.tensor_parallel_degree, self.sharded_data_parallel_degree
+        if world % tp:
+            raise ValueError(
+                f"tensor_parallel_degree={tp} must divide the world size {world}; try one of {_divisors(world)}"
+            )
+        rdp = world // tp
+        if rdp % sdp:
+            raise ValueError(
+                f"sharded_data_parallel_degree={sdp} must divide the reduced data-parallel degree {rdp} "
+                f"(world {world} / tensor_parallel_degree {tp}); try one of {_divisors(rdp)}"
+            )
+        rpn = self.ranks_per_node
+        if rpn is not None and world % rpn:
+            raise ValueError(f"ranks_per_node={rpn} must divide the world size {world}; try one of {_divisors(world)}")
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> str:
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, divs))
+
+
+def _unwrap_sagemaker(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Accept {"enabled": True, "parameters": {...}} as well as a flat dict."""
+    if "parameters" in raw and set(raw) <= {"enabled", "parameters"}:
+        if raw.get("enabled", True) is not True:
+            raise ValueError(f"enabled={raw['enabled']!r}: shardpar needs 'enabled': True (or a flat dict)")
+        params = raw["parameters"]
+        if not isinstance(params, Mapping):
+            raise TypeError(f"'parameters' must be a dict of knobs, got {type(params).__name__}")
+        return params
+    return raw
+
+
+def _unknown_key_message(key: str, names: set[str]) -> str:
+    known = sorted(names | set(_ALIASES) | set(_ACCEPTED_ONLY))
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known knobs: {', '.join(known)}"
+    return f"unknown config key {key!r}{hint}"
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist; pass a dict or an existing .json/.toml path")
+    text = path.read_text()
+    if path.suffix == ".toml":
+        data: Any = tomllib.loads(text)
+    elif path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        raise ValueError(f"config file {str(path)!r}: unknown extension {path.suffix!r}; use .json or .toml")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a table/object of knobs")
+    return data
+
+
+def _parse_env_value(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _smddp_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("smddp_ag_scratch_buffer_size_bytes", "smddp_ag_sort_buffer_size_bytes"):
+        text = env.get(name.upper())
+        if text is not None:
+            try:
+                out[name] = int(text)
+            except ValueError:
+                raise ValueError(
+                    f"{name.upper()}={text!r} is not an integer; give a byte count that is a multiple of "
+                    f"{SMDDP_BUFFER_ALIGN}, e.g. {16 * 1024 * 1024}"
+                ) from None
+    return out
+
+
+def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
+    """Check the type of one knob (ints may be given as integral floats, like 5e8) and its bounds."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    name = f.name
+    if value is None and "None" in kind:
+        return None
+    if kind.startswith("bool"):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False, got {type(value).__name__}")
+        return value
+    if kind.startswith("str"):
+        if not isinstance(value, str):
+            raise ValueError(f"{name}={value!r} must be a string, got {type(value).__name__}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r} must be a number, got {type(value).__name__}; e.g. {name}={f.default!r}")
+    if kind.startswith("int"):
+        if value != int(value):
+            raise ValueError(f"{name}={value!r} must be a whole number")
+        value = int(value)
+    else:
+        value = float(value)
+    minimum, exclusive = f.metadata["minimum"], f.metadata["exclusive"]
+    if minimum is not None and (value < minimum or (exclusive and value == minimum)):
+        rule = f"> {minimum}" if exclusive else f">= {minimum}"
+        raise ValueError(f"{name}={value!r} must be {rule}; the default is {f.default!r}")
+    return value
+
+
+def describe_knobs() -> list[tuple[str, Any, str]]:
+    """(name, default, doc) of every knob, for the CLI and the docs."""
+    return [(f.name, f.default, f.metadata["doc"]) for f in dataclasses.fields(Config)]

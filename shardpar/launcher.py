@@ -1,0 +1,79 @@
+"""A local launcher: run a function on N ranks of this machine without knowing torchrun.
+
+Sets the same environment torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR/PORT), so the function simply calls `smp.init()`. A rank that raises or dies stops the
+whole launch with that rank's error; the others are terminated rather than left waiting.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], queue: Any) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+
+    # N ranks share this machine's cores; one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        queue.put((rank, "ok", fn(*args)))
+    except BaseException:
+        queue.put((rank, "err", traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 3600.0) -> list[Any]:
+    """Run `fn(*args)` on `nprocs` local ranks; return the per-rank results in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, port, args, queue)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < nprocs:
+            if time.monotonic() > deadline:
+                raise LaunchError(f"ranks {sorted(set(range(nprocs)) - set(results))} did not finish in {timeout_s} s")
+            try:
+                rank, kind, value = queue.get(timeout=0.5)
+            except Exception:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    raise LaunchError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                continue
+            if kind == "err":
+                raise LaunchError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(results) == nprocs else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    return [results[r] for r in range(nprocs)]

@@ -1,0 +1,221 @@
+"""Run functions on N CPU ranks (gloo, one host) -- the real multi-process path of the test suite.
+
+A `RankPool` spawns N processes once, joins them into a gloo process group on a free port, and then
+runs many cases on them: `pool.run(fn, *args)` calls `fn(*args)` on every rank and returns the
+per-rank results. Spawning (importing torch on 2 cores) costs seconds, so the suite keeps one pool
+per world size alive (see conftest.py) and only replaces a pool after a failure.
+
+Failures never hang the suite:
+  * a rank that raises -> `RankFailure` with that rank's traceback;
+  * a rank that dies   -> `RankFailure` naming the rank and its exit code;
+  * a rank that hangs  -> after `timeout` seconds every live rank's Python stack is dumped (faulthandler),
+                          the pool is killed and `RankFailure` carries the stacks.
+Case functions must be importable (module top level); their results must be picklable. After every
+case the worker calls `smp.shutdown()`, so each case starts from a clean facade.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 120.0
+_GRACE_AFTER_ERROR_S = 5.0
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, died or hung; the message holds every rank's story."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, conn: Connection, env: dict[str, str], stack_file: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    os.environ.update(env)
+    with open(stack_file, "w") as stacks:  # stays open: faulthandler writes to it on SIGUSR1
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # N ranks share 2 cores: oversubscribed intra-op threads crawl
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+        conn.send(("ok", "ready"))
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            fn, args, kwargs = msg
+            try:
+                conn.send(("ok", fn(*args, **kwargs)))
+            except BaseException:
+                conn.send(("err", traceback.format_exc()))
+            finally:
+                _reset_facade()
+        dist.destroy_process_group()
+
+
+def _reset_facade() -> None:
+    import sys
+
+    api = sys.modules.get("shardpar.api")
+    if api is not None:
+        api.shutdown()  # type: ignore[attr-defined]
+
+
+class RankPool:
+    """N spawned ranks in one gloo world, reused across cases."""
+
+    def __init__(self, world: int, *, env: Mapping[str, str] | None = None, start_timeout: float = 120.0) -> None:
+        self.world = world
+        self.env = dict(env or {})
+        self._dir = tempfile.TemporaryDirectory(prefix=f"shardpar-pool{world}-")
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker,
+                args=(rank, world, port, child, self.env, self._stack_file(rank)),
+                daemon=True,
+                name=f"shardpar-rank{rank}",
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        replies = self._collect(time.monotonic() + start_timeout, "start-up")
+        self._raise_if_failed(replies, "start-up")
+
+    def _stack_file(self, rank: int) -> str:
+        return str(Path(self._dir.name) / f"stacks{rank}.txt")
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+        """`fn(*args, **kwargs)` on every rank; the per-rank results, in rank order."""
+        if not self.alive:
+            raise RankFailure(f"pool of {self.world} ranks is no longer alive")
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        replies = self._collect(time.monotonic() + timeout, getattr(fn, "__name__", str(fn)))
+        self._raise_if_failed(replies, getattr(fn, "__qualname__", str(fn)))
+        return [value for _, value in replies]
+
+    def _collect(self, deadline: float, what: str) -> list[tuple[str, Any]]:
+        replies: dict[int, tuple[str, Any]] = {}
+        while len(replies) < self.world:
+            pending = [r for r in range(self.world) if r not in replies]
+            waitables: list[Any] = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
+            ready = wait(waitables, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for r in pending:
+                conn, proc = self._conns[r], self._procs[r]
+                if conn in ready or proc.sentinel in ready:
+                    replies[r] = self._reply_of(r, conn, proc)
+                    if replies[r][0] != "ok":
+                        # Peers of a failed rank usually block in a collective: don't wait for them long.
+                        deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
+        for r in range(self.world):
+            if r not in replies:
+                replies[r] = ("hung", self._dump_stack(r, what))
+        return [replies[r] for r in range(self.world)]
+
+    def _reply_of(self, rank: int, conn: Connection, proc: Any) -> tuple[str, Any]:
+        try:
+            if conn.poll():
+                reply: tuple[str, Any] = conn.recv()
+                return reply
+        except (EOFError, OSError):
+            pass
+        proc.join(timeout=1.0)
+        return ("died", f"rank {rank} died with exit code {proc.exitcode}")
+
+    def _dump_stack(self, rank: int, what: str) -> str:
+        proc = self._procs[rank]
+        if proc.is_alive() and proc.pid is not None:
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(0.5)
+        stacks = Path(self._stack_file(rank)).read_text() if Path(self._stack_file(rank)).exists() else ""
+        return f"rank {rank} did not finish {what!r} in time; its stacks:\n{stacks or '(none captured)'}"
+
+    def _raise_if_failed(self, replies: list[tuple[str, Any]], what: str) -> None:
+        failed = [(r, kind, value) for r, (kind, value) in enumerate(replies) if kind != "ok"]
+        if not failed:
+            return
+        self.close()
+        parts = [f"--- rank {r} ({kind}) ---\n{value}" for r, kind, value in failed]
+        raise RankFailure(f"{what}: {len(failed)} of {self.world} ranks failed\n" + "\n".join(parts))
+
+    def close(self) -> None:
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            if proc.is_alive():
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    conn.send(None)
+        deadline = time.monotonic() + 5.0
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        for conn in self._conns:
+            conn.close()
+        self._dir.cleanup()
+
+
+class PoolCache:
+    """One live pool per (world, env); a failed pool is replaced on next use."""
+
+    def __init__(self) -> None:
+        self._pools: dict[tuple[int, tuple[tuple[str, str], ...]], RankPool] = {}
+
+    def get(self, world: int, env: Mapping[str, str] | None = None) -> RankPool:
+        key = (world, tuple(sorted((env or {}).items())))
+        pool = self._pools.get(key)
+        if pool is None or not pool.alive:
+            pool = self._pools[key] = RankPool(world, env=env)
+        return pool
+
+    def run(
+        self,
+        world: int,
+        fn: Callable[..., Any],
+        *args: Any,
+        env: Mapping[str, str] | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> list[Any]:
+        return self.get(world, env).run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

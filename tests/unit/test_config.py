@@ -1,0 +1,210 @@
+"""Config: every knob, every source, every bad input with a message that names knob, value, rule, fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardpar.config import Config, describe_knobs
+
+REFERENCE_DEFAULTS = {
+    "sharded_data_parallel_degree": 1,
+    "tensor_parallel_degree": 1,
+    "pipeline_parallel_degree": 1,
+    "shard_optimizer_state": False,
+    "sdp_reduce_bucket_size": 500_000_000,
+    "sdp_param_persistence_threshold": 1_000_000,
+    "sdp_max_live_parameters": 1_000_000_000,
+    "sdp_hierarchical_allgather": True,
+    "sdp_gradient_clipping": 1.0,
+    "fp16": False,
+    "bf16": False,
+    "ddp_dist_backend": "auto",
+    "prescaled_batch": False,
+    "delayed_parameter_initialization": False,
+    "microbatches": 1,
+    "smddp_ag_scratch_buffer_size_bytes": 16 * 1024 * 1024,
+    "smddp_ag_sort_buffer_size_bytes": 128 * 1024 * 1024,
+}
+
+
+def test_defaults_match_the_reference() -> None:
+    cfg = Config.from_dict({}, env={})
+    for name, value in REFERENCE_DEFAULTS.items():
+        assert getattr(cfg, name) == value, name
+    assert {n for n, _, _ in describe_knobs()} >= set(REFERENCE_DEFAULTS)
+
+
+def test_sagemaker_form_with_reference_example_is_accepted() -> None:
+    # The smp_options of reference 003, pasted unchanged (5e8 etc. are floats there).
+    smp_options = {
+        "enabled": True,
+        "parameters": {
+            "ddp": True,
+            "partitions": 1,
+            "sharded_data_parallel_degree": 2,
+            "sdp_reduce_bucket_size": 5e8,
+            "sdp_param_persistence_threshold": 1e6,
+            "sdp_max_live_parameters": 1e9,
+            "sdp_hierarchical_allgather": True,
+            "sdp_gradient_clipping": 1.0,
+            "bf16": True,
+            "ddp_dist_backend": "auto",
+        },
+    }
+    cfg = Config.from_any(smp_options)
+    assert cfg.sharded_data_parallel_degree == 2 and cfg.bf16
+    assert cfg.sdp_reduce_bucket_size == 500_000_000 and isinstance(cfg.sdp_reduce_bucket_size, int)
+
+
+def test_json_and_toml_files(tmp_path) -> None:
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"sharded_data_parallel_degree": 4, "fp16": True}))
+    t = tmp_path / "c.toml"
+    t.write_text("sharded_data_parallel_degree = 4\nsdp_gradient_clipping = 0.5\n")
+    assert Config.from_any(str(j)).fp16
+    assert Config.from_any(t).sdp_gradient_clipping == 0.5
+    with pytest.raises(ValueError, match=r"does not exist"):
+        Config.from_any(str(tmp_path / "missing.json"))
+    bad = tmp_path / "c.yaml"
+    bad.write_text("x: 1")
+    with pytest.raises(ValueError, match=r"unknown extension '\.yaml'; use \.json or \.toml"):
+        Config.from_any(bad)
+
+
+def test_environment_sources(tmp_path) -> None:
+    env = {
+        "SM_HP_MP_PARAMETERS": json.dumps({"sharded_data_parallel_degree": 2, "ddp": True}),
+        "SHARDPAR_BF16": "true",
+        "SHARDPAR_SDP_MAX_LIVE_PARAMETERS": "1000",
+        "SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES": "8192",
+    }
+    cfg = Config.from_env(env)
+    assert cfg.sharded_data_parallel_degree == 2 and cfg.bf16 and cfg.sdp_max_live_parameters == 1000
+    assert cfg.smddp_ag_scratch_buffer_size_bytes == 8192
+    path = tmp_path / "c.json"
+    path.write_text('{"microbatches": 4}')
+    assert Config.from_env({"SHARDPAR_CONFIG": str(path)}).microbatches == 4
+    assert Config.from_env({"SHARDPAR_CONFIG": '{"microbatches": 2}'}).microbatches == 2
+    with pytest.raises(ValueError, match=r"SHARDPAR_SDP_MAX_LIVE_PARAMS.*did you mean 'sdp_max_live_parameters'"):
+        Config.from_env({"SHARDPAR_SDP_MAX_LIVE_PARAMS": "3"})
+
+
+def test_unknown_key_suggests_the_right_one() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"unknown config key 'sharded_data_paralel_degree'; did you mean "
+        r"'sharded_data_parallel_degree'\?",
+    ):
+        Config.from_dict({"sharded_data_paralel_degree": 2}, env={})
+    with pytest.raises(ValueError, match=r"unknown config key 'zzz'; known knobs: .*bf16"):
+        Config.from_dict({"zzz": 1}, env={})
+
+
+@pytest.mark.parametrize(
+    ("knobs", "world", "pattern"),
+    [
+        (
+            {"sharded_data_parallel_degree": 3},
+            8,
+            r"sharded_data_parallel_degree=3 must divide the reduced data-parallel degree 8 \(world 8 / "
+            r"tensor_parallel_degree 1\); try one of 1, 2, 4, 8",
+        ),
+        (
+            {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2, "prescaled_batch": True},
+            4,
+            r"sharded_data_parallel_degree=4 must divide the reduced data-parallel degree 2 \(world 4 / "
+            r"tensor_parallel_degree 2\); try one of 1, 2",
+        ),
+        (
+            {"tensor_parallel_degree": 3},
+            8,
+            r"tensor_parallel_degree=3 must divide the world size 8; try one of 1, 2, 4, 8",
+        ),
+        ({"ranks_per_node": 3}, 8, r"ranks_per_node=3 must divide the world size 8"),
+    ],
+)
+def test_world_rules(knobs: dict, world: int, pattern: str) -> None:
+    cfg = Config.from_dict(knobs, env={})
+    with pytest.raises(ValueError, match=pattern):
+        cfg.check_world(world)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "pattern"),
+    [
+        (
+            {"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2},
+            r"pipeline_parallel_degree=2 with sharded_data_parallel_degree=2: .* set pipeline_parallel_degree=1",
+        ),
+        (
+            {"sharded_data_parallel_degree": 2, "partitions": 2},
+            r"pipeline_parallel_degree=2 with sharded_data_parallel_degree=2",
+        ),
+        (
+            {"sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
+            r"shard_optimizer_state=True with sharded_data_parallel_degree=2: .* set shard_optimizer_state=False",
+        ),
+        ({"fp16": True, "bf16": True}, r"fp16=True and bf16=True were both set; choose one"),
+        (
+            {"sdp_param_persistence_threshold": -1},
+            r"sdp_param_persistence_threshold=-1 must be >= 0; the default is 1000000",
+        ),
+        ({"sdp_reduce_bucket_size": -5}, r"sdp_reduce_bucket_size=-5 must be > 0; the default is 500000000"),
+        ({"sdp_reduce_bucket_size": 0}, r"sdp_reduce_bucket_size=0 must be > 0"),
+        ({"sdp_max_live_parameters": 0}, r"sdp_max_live_parameters=0 must be > 0"),
+        ({"sdp_gradient_clipping": -1.0}, r"sdp_gradient_clipping=-1.0 must be >= 0"),
+        (
+            {"sharded_data_parallel_degree": "2"},
+            r"sharded_data_parallel_degree='2' must be a number, got str; e\.g\. sharded_data_parallel_degree=1",
+        ),
+        ({"sdp_gradient_clipping": "1.0"}, r"sdp_gradient_clipping='1.0' must be a number, got str"),
+        ({"sdp_reduce_bucket_size": 2.5}, r"sdp_reduce_bucket_size=2.5 must be a whole number"),
+        ({"bf16": 1}, r"bf16=1 must be True or False, got int"),
+        ({"sharded_data_parallel_degree": True}, r"sharded_data_parallel_degree=True must be a number, got bool"),
+        ({"ddp_dist_backend": "mpi"}, r"ddp_dist_backend='mpi' is not one of \('auto', 'nccl', 'smddp'\); use 'auto'"),
+        (
+            {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2},
+            r"tensor_parallel_degree=2 with sharded_data_parallel_degree=2 requires prescaled_batch=True",
+        ),
+        ({"ddp": False}, r"ddp=False is not supported: shardpar always runs with ddp=True"),
+        ({"enabled": False, "parameters": {}}, r"enabled=False: shardpar needs 'enabled': True"),
+    ],
+)
+def test_bad_knobs(knobs: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        Config.from_any(knobs)
+
+
+@pytest.mark.parametrize(
+    ("env", "pattern"),
+    [
+        (
+            {"SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES": "10000"},
+            r"SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES=10000 must be a positive multiple of 8192 bytes; try 16384",
+        ),
+        (
+            {"SMDDP_AG_SORT_BUFFER_SIZE_BYTES": "0"},
+            r"SMDDP_AG_SORT_BUFFER_SIZE_BYTES=0 must be a positive multiple of 8192 bytes; try 8192",
+        ),
+        ({"SMDDP_AG_SORT_BUFFER_SIZE_BYTES": "-8192"}, r"SMDDP_AG_SORT_BUFFER_SIZE_BYTES=-8192 must be a positive"),
+        (
+            {"SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES": "16MB"},
+            r"SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES='16MB' is not an integer; give a byte count",
+        ),
+    ],
+)
+def test_bad_smddp_buffer_env(env: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        Config.from_dict({}, env=env)
+
+
+def test_config_is_frozen_and_replace_revalidates() -> None:
+    cfg = Config.from_dict({}, env={})
+    with pytest.raises(AttributeError):
+        cfg.bf16 = True  # type: ignore[misc]
+    with pytest.raises(ValueError, match="fp16=True and bf16=True"):
+        cfg.replace(fp16=True, bf16=True)
+    with pytest.raises(TypeError, match="config must be a dict"):
+        Config.from_any(42)  # type: ignore[arg-type]
