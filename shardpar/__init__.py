@@ -6,6 +6,8 @@ smp.init({"sharded_data_parallel_degree": 2})
 
 from shardpar.api import (
     CommGroup,
+    DistributedModel,
+    DistributedOptimizer,
     allgather,
     barrier,
     broadcast,
@@ -23,15 +25,18 @@ from shardpar.api import (
     rank,
     rdp_rank,
     rdp_size,
+    register_parameter,
     replica_rank,
     sdp_rank,
     sdp_size,
     shutdown,
     size,
+    step,
     tp_rank,
     tp_size,
 )
 from shardpar.config import Config
+from shardpar.step import StepOutput
 from shardpar.topology import Plan, Topology, plan
 
 __version__ = "0.1.0"
@@ -39,7 +44,10 @@ __version__ = "0.1.0"
 __all__ = [
     "CommGroup",
     "Config",
+    "DistributedModel",
+    "DistributedOptimizer",
     "Plan",
+    "StepOutput",
     "Topology",
     "__version__",
     "allgather",
@@ -60,11 +68,13 @@ __all__ = [
     "rank",
     "rdp_rank",
     "rdp_size",
+    "register_parameter",
     "replica_rank",
     "sdp_rank",
     "sdp_size",
     "shutdown",
     "size",
+    "step",
     "tp_rank",
     "tp_size",
 ]

@@ -9,16 +9,21 @@ from __future__ import annotations
 import datetime
 import enum
 import os
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from shardpar.collectives import CommStats, CountingEngine, Engine, Group, make_engine
 from shardpar.collectives.native import all_gather_object, broadcast_object
 from shardpar.config import Config
+from shardpar.model import DistributedModel as _DistributedModel
+from shardpar.optimizer import DistributedOptimizer as _DistributedOptimizer
+from shardpar.step import StepOutput, make_step
 from shardpar.topology import Plan, Topology, plan
 
 
@@ -46,9 +51,12 @@ class _State:
     local_rank: int
     local_size: int
     device: torch.device
+    model: _DistributedModel | None = None
 
 
 _STATE: _State | None = None
+# smp.register_parameter may run in a module's __init__, before or after init(): kept apart from _STATE.
+_REGISTERED: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.WeakKeyDictionary()
 
 
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
@@ -247,3 +255,63 @@ def broadcast(obj: Any, group: CommGroup = CommGroup.WORLD, *, src: int | None =
 def allgather(obj: Any, group: CommGroup = CommGroup.WORLD) -> list[Any]:
     """Every member's object, in group order."""
     return all_gather_object(obj, _group(group))
+
+
+# ---- model, optimizer, step ----------------------------------------------------------------------
+
+
+def register_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Make `param` (owned by another module) available, gathered, during `module`'s forward."""
+    if not isinstance(param, nn.Parameter):
+        raise TypeError(f"register_parameter needs an nn.Parameter, got {type(param).__name__}")
+    params = _REGISTERED.setdefault(module, [])
+    if all(p is not param for p in params):
+        params.append(param)
+
+
+def DistributedModel(
+    module: nn.Module,
+    *,
+    backward_passes_per_step: int = 1,
+    wrap: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
+) -> _DistributedModel:
+    """Shard `module` over the sharding group (reference 003); returns the wrapped model."""
+    st = state()
+    if isinstance(module, _DistributedModel):
+        raise ValueError("the module is already a DistributedModel; wrap the plain module once")
+    registered = {id(m): list(ps) for m, ps in _REGISTERED.items()}
+    model = _DistributedModel(
+        module.to(st.device) if _has_real_params(module) else module,
+        config=st.config,
+        topology=st.topology,
+        engine=st.engine,
+        backward_passes_per_step=backward_passes_per_step,
+        wrap=wrap,
+        registered=registered,
+    )
+    st.model = model
+    return model
+
+
+def _has_real_params(module: nn.Module) -> bool:
+    return any(p.device.type != "meta" for p in module.parameters())
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer, model: _DistributedModel | None = None
+) -> _DistributedOptimizer:
+    """Re-point `optimizer` at the local main shards; clipping (sdp_gradient_clipping) runs in step()."""
+    st = state()
+    model = model or st.model
+    if model is None:
+        raise ValueError("smp.DistributedOptimizer needs a model: call smp.DistributedModel(model) first")
+    return _DistributedOptimizer(optimizer, model, clip_norm=st.config.sdp_gradient_clipping)
+
+
+def step(fn: Callable[..., Any]) -> Callable[..., StepOutput]:
+    """Decorator: run `fn` once per micro-batch (config `microbatches`) and return a StepOutput."""
+    return make_step(
+        fn,
+        find_model=lambda: state().model,
+        microbatches=lambda: state().config.microbatches,
+    )

@@ -16,9 +16,13 @@ def _facade_queries(knobs: dict) -> dict:
     smp.init(knobs)
     topo = smp.get_topology()
     out = {
-        "rank": smp.rank(), "size": smp.size(), "tp": (smp.tp_rank(), smp.tp_size()),
-        "rdp": (smp.rdp_rank(), smp.rdp_size()), "sdp": (smp.sdp_rank(), smp.sdp_size()),
-        "dp": (smp.dp_rank(), smp.dp_size()), "local": (smp.local_rank(), smp.local_size()),
+        "rank": smp.rank(),
+        "size": smp.size(),
+        "tp": (smp.tp_rank(), smp.tp_size()),
+        "rdp": (smp.rdp_rank(), smp.rdp_size()),
+        "sdp": (smp.sdp_rank(), smp.sdp_size()),
+        "dp": (smp.dp_rank(), smp.dp_size()),
+        "local": (smp.local_rank(), smp.local_size()),
         "groups": {k: g.ranks for k, g in topo.groups.items()},
         "gathered": smp.allgather(smp.rank() * 10, smp.CommGroup.SDP_GROUP),
         "bcast": smp.broadcast(f"from {smp.rank()}", smp.CommGroup.TP_GROUP),
@@ -36,8 +40,12 @@ def _facade_queries(knobs: dict) -> dict:
 )
 def test_facade_matches_plan(ranks, world: int, knobs: dict) -> None:
     results = ranks.run(world, _facade_queries, knobs)
-    p = plan(world, knobs.get("tensor_parallel_degree", 1), knobs["sharded_data_parallel_degree"],
-             knobs.get("ranks_per_node", world))
+    p = plan(
+        world,
+        knobs.get("tensor_parallel_degree", 1),
+        knobs["sharded_data_parallel_degree"],
+        knobs.get("ranks_per_node", world),
+    )
     for r, res in enumerate(results):
         c = p.coords(r)
         assert res["rank"] == r and res["size"] == world and res["dp"] == (r, world)
@@ -83,7 +91,7 @@ def test_native_engine_collectives_and_counting(ranks) -> None:
     results = ranks.run(4, _engine_collectives)
     for rank, res in enumerate(results):
         shard = res["shard"]
-        for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        for dtype in (torch.float32, torch.bfloat16):
             expect = torch.cat([torch.arange(1001, dtype=torch.float32).add_(r * 1000).to(dtype) for r in shard])
             assert torch.equal(res[f"ag_{dtype}"], expect), "gather is bit-exact"
             mean = sum(r + 1 for r in shard) / 2

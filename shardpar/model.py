@@ -1,0 +1,306 @@
+"""DistributedModel: MiCS sharding of an unchanged nn.Module through hooks.
+
+    forward:   pre-forward(unit)  -> unshard ("fwd")          post-forward(unit) -> reshard ("fwd")
+    backward:  grad of unit output -> unshard ("bwd")          all unit grads in  -> ReduceScatter, reshard
+    end of backward (autograd callback): units not reduced yet -> ReduceScatter (zeros where no grad);
+               at the accumulation boundary -> AllReduce main grads over the replication group and
+               persistent grads over the rdp group.
+
+The root unit keeps its parameters after a forward that records a graph (its lm_head is the first
+thing backward needs; FSDP2 does the same) and frees them when backward ends. See [Note: holders]
+in unit.py for how shared parameters stay alive.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from shardpar.collectives import Engine, ReduceOp
+from shardpar.config import Config
+from shardpar.layout import flat_layout
+from shardpar.topology import Topology
+from shardpar.unit import Unit, UnitComm, UnitState
+from shardpar.units import UnitPlan, WrapPolicy, plan_units
+
+_Registered = dict[int, list[nn.Parameter]]
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, Mapping):  # HF ModelOutput is an OrderedDict
+        return [t for v in obj.values() for t in _tensors(v)]
+    return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+class DistributedModel(nn.Module):
+    """Shards `module` across the sharding group; keeps its parameter names and forward signature."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        config: Config,
+        topology: Topology,
+        engine: Engine,
+        backward_passes_per_step: int = 1,
+        wrap: WrapPolicy = None,
+        registered: _Registered | None = None,
+    ) -> None:
+        super().__init__()
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+        self.module = module
+        self.config = config
+        self.topology = topology
+        self.engine = engine
+        self.backward_passes_per_step = backward_passes_per_step
+        self.num_backward = 0
+        self.microbatches_in_step = 1  # set by smp.step while it runs
+        self._finalize_queued_for: int | None = None
+        self.device = _module_device(module)
+        plans = plan_units(module, wrap)
+        self.persistent = self._split_persistent(plans)
+        self.units = self._build_units(plans)
+        self._unit_of_param = {id(p): u for u in self.units for p in u.params}
+        self._link_dependencies(plans, registered or {})
+        self._install_hooks()
+
+    # ---- construction -------------------------------------------------------------------------
+
+    def _split_persistent(self, plans: list[UnitPlan]) -> list[tuple[str, nn.Parameter]]:
+        threshold = self.config.sdp_param_persistence_threshold
+        persistent = []
+        for up in plans:
+            keep = [(n, p) for n, p in up.params if p.numel() < threshold]
+            persistent.extend(keep)
+            up.params = [(n, p) for n, p in up.params if p.numel() >= threshold]
+        return persistent
+
+    def _build_units(self, plans: list[UnitPlan]) -> list[Unit]:
+        comm = UnitComm(
+            engine=self.engine,
+            sharding=self.topology.sharding,
+            replication=self.topology.replication,
+            shard_index=self.topology.coords.sdp_rank,
+        )
+        units: list[Unit] = []
+        for up in plans:
+            if not up.params:
+                continue
+            layout = flat_layout([(n, tuple(p.shape)) for n, p in up.params], comm.sharding.size)
+            unit = Unit(
+                len(units),
+                up.name or "<root>",
+                up.module,
+                [p for _, p in up.params],
+                layout,
+                comm,
+                compute_dtype=torch.float32,
+                device=self.device,
+            )
+            unit.take_shards_from_params()
+            units.append(unit)
+        return units
+
+    def _link_dependencies(self, plans: list[UnitPlan], registered: _Registered) -> None:
+        by_module = {id(u.module): u for u in self.units}
+        for up in plans:
+            user = by_module.get(id(up.module))
+            borrowed = list(up.borrowed) + [p for m in up.module.modules() for p in registered.get(id(m), [])]
+            for p in borrowed:
+                owner = self._unit_of_param.get(id(p))
+                if owner is None or user is None or owner is user or owner in user.deps:
+                    continue
+                user.deps.append(owner)
+
+    def _install_hooks(self) -> None:
+        self._handles = []
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+            for p in unit.params:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+        for _, p in self.persistent:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward))
+        if not self.units or self.units[0].module is not self.module:
+            # No sharded root params: still need the root hooks to catch the start of backward.
+            self._handles.append(self.module.register_forward_hook(self._root_post_forward_only))
+
+    # ---- hooks --------------------------------------------------------------------------------
+
+    def _make_pre_forward(self, unit: Unit) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            unit.unshard("bwd" if _in_backward() else "fwd")
+
+        return hook
+
+    def _make_post_forward(self, unit: Unit) -> Any:
+        is_root = unit.module is self.module
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            records_graph = torch.is_grad_enabled()
+            if records_graph:
+                self._register_pre_backward(unit, output)
+            if not (is_root and records_graph):
+                unit.reshard("fwd")
+            return None
+
+        return hook
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not _in_backward():
+            # A backward that raised never ran its end callback; a new forward starts clean.
+            self._finalize_queued_for = None
+
+    def _root_post_forward_only(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            self._register_pre_backward(None, output)
+
+    def _register_pre_backward(self, unit: Unit | None, output: Any) -> None:
+        def on_grad(grad: torch.Tensor) -> None:
+            self._queue_finalize()
+            if unit is not None and not unit.reduced:
+                unit.unshard("bwd")
+
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(on_grad)
+
+    def _on_grad_accumulated(self, p: torch.Tensor) -> None:
+        self._queue_finalize()
+        unit = self._unit_of_param.get(id(p))
+        if unit is None:
+            return  # persistent: reduced at the boundary
+        unit.grads_arrived += 1
+        if unit.grads_arrived == unit.num_trainable and not unit.has_frozen:
+            unit.reduce_grads()
+            unit.reshard("bwd")
+            unit.reshard("fwd")
+
+    def _queue_finalize(self) -> None:
+        # Queue once per outermost backward: a reentrant activation checkpoint runs nested backward
+        # graph tasks whose end is not the end of the step's backward.
+        if self._finalize_queued_for is not None:
+            return
+        self._finalize_queued_for = torch._C._current_graph_task_id()
+        for unit in self.units:
+            unit.begin_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        self._finalize_queued_for = None
+        for unit in self.units:
+            if unit.num_trainable and not unit.reduced:
+                unit.reduce_grads()
+        self.num_backward += 1
+        if self.is_accumulation_boundary(self.num_backward - 1):
+            for unit in self.units:
+                unit.finish_accumulation()
+            self._reduce_persistent_grads()
+        for unit in self.units:
+            unit.holders.clear()
+            unit.reshard("")
+
+    # ---- accumulation -------------------------------------------------------------------------
+
+    def is_accumulation_boundary(self, backward_index: int) -> bool:
+        window = self.backward_passes_per_step * self.microbatches_in_step
+        return (backward_index + 1) % window == 0
+
+    def _reduce_persistent_grads(self) -> None:
+        params = [p for _, p in self.persistent if p.requires_grad]
+        rdp = self.topology.rdp
+        if not params or rdp.size == 1:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        self.engine.all_reduce(flat, rdp, op=ReduceOp.AVG)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    # ---- nn.Module surface --------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, scaled for the micro-batches of smp.step."""
+        scale = 1.0 / self.microbatches_in_step
+        (loss * scale if scale != 1.0 else loss).backward()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """Full tensors under the unwrapped model's keys (gathered unit by unit)."""
+        full: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            values = unit.full_params()
+            for p, spec in zip(unit.params, unit.layout.specs, strict=True):
+                full[id(p)] = values[spec.fqn]
+        out: dict[str, Any] = OrderedDict()
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            out[key] = full[id(value)] if id(value) in full else value.detach().clone()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load full tensors (as returned by `state_dict`) into the shards and persistent params."""
+        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        missing = [n for n in names.values() if n not in state_dict]
+        if strict and missing:
+            raise ValueError(f"load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        for unit in self.units:
+            unit.load_full_params({s.fqn: state_dict[s.fqn] for s in unit.layout.specs if s.fqn in state_dict})
+        with torch.no_grad():
+            for name, p in self.persistent:
+                if name in state_dict:
+                    p.copy_(state_dict[name])
+            for name, b in self.module.named_buffers():
+                if name in state_dict:
+                    b.copy_(state_dict[name])
+        return None
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every sharded parameter (1-D) and every persistent parameter."""
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            for sl in unit.slices:
+                out[sl.spec.fqn] = unit.main_shard[sl.local].detach().clone()
+        for name, p in self.persistent:
+            out[name] = p.detach().clone()
+        return out
+
+    def live_elements(self) -> int:
+        """Unsharded elements alive right now."""
+        return sum(u.num_live_elements for u in self.units)
+
+    def all_sharded(self) -> bool:
+        return all(u.state is UnitState.SHARDED for u in self.units)
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")

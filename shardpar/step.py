@@ -1,0 +1,98 @@
+"""`@smp.step`: split a batch into micro-batches, run the step function on each, collect outputs.
+
+Tensors (also inside dicts, lists and tuples) are split along dim 0 into `microbatches` equal
+pieces; everything else is passed unchanged. While the step runs, `model.backward(loss)` scales the
+loss by 1/microbatches and the accumulation boundary falls after the last micro-batch, so the
+gradients are the average over micro-batches -- the same as one backward on the whole batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from shardpar.model import DistributedModel
+
+
+class StepOutput:
+    """The per-micro-batch return values of a step function."""
+
+    def __init__(self, outputs: list[Any]) -> None:
+        self.outputs = outputs
+
+    def _tensors(self) -> list[torch.Tensor]:
+        if not all(isinstance(o, torch.Tensor) for o in self.outputs):
+            kinds = sorted({type(o).__name__ for o in self.outputs})
+            raise TypeError(f"StepOutput reductions need tensor outputs, got {kinds}; use .outputs")
+        return [o.detach() for o in self.outputs]
+
+    def reduce_mean(self) -> torch.Tensor:
+        """Mean over micro-batches."""
+        return torch.stack(self._tensors()).mean(dim=0)
+
+    def reduce_sum(self) -> torch.Tensor:
+        return torch.stack(self._tensors()).sum(dim=0)
+
+    def concat(self) -> torch.Tensor:
+        return torch.cat(self._tensors(), dim=0)
+
+    def stack(self) -> torch.Tensor:
+        return torch.stack(self._tensors())
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.outputs[i]
+
+
+def split_batch(obj: Any, num: int) -> list[Any]:
+    """`num` micro-batches of `obj` (tensors split on dim 0; containers recursed; others repeated)."""
+    if isinstance(obj, torch.Tensor) and obj.dim() > 0:
+        if obj.shape[0] % num:
+            raise ValueError(
+                f"microbatches={num} must divide the batch dimension {obj.shape[0]} of a tensor of shape "
+                f"{tuple(obj.shape)}; change the batch size or the microbatches knob"
+            )
+        return list(obj.chunk(num, dim=0))
+    if isinstance(obj, Mapping):
+        parts = {k: split_batch(v, num) for k, v in obj.items()}
+        return [
+            type(obj)({k: v[i] for k, v in parts.items()})
+            if isinstance(obj, dict)
+            else {k: v[i] for k, v in parts.items()}
+            for i in range(num)
+        ]
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        parts_seq = [split_batch(v, num) for v in obj]
+        return [type(obj)(p[i] for p in parts_seq) for i in range(num)]
+    return [obj] * num
+
+
+def make_step(
+    fn: Callable[..., Any], *, find_model: Callable[[], DistributedModel | None], microbatches: Callable[[], int]
+) -> Callable[..., StepOutput]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> StepOutput:
+        model = next((a for a in (*args, *kwargs.values()) if isinstance(a, DistributedModel)), None)
+        model = model or find_model()
+        num = microbatches()
+        split_args = [split_batch(a, num) if not isinstance(a, torch.nn.Module) else [a] * num for a in args]
+        split_kwargs = {
+            k: split_batch(v, num) if not isinstance(v, torch.nn.Module) else [v] * num for k, v in kwargs.items()
+        }
+        outputs = []
+        if model is not None:
+            model.microbatches_in_step = num
+        try:
+            for i in range(num):
+                outputs.append(fn(*(a[i] for a in split_args), **{k: v[i] for k, v in split_kwargs.items()}))
+        finally:
+            if model is not None:
+                model.microbatches_in_step = 1
+        return StepOutput(outputs)
+
+    return wrapper

@@ -1,0 +1,176 @@
+"""One unit's life cycle: its shards, `unshard` / `reshard`, and `reduce_grads` / `finish_accumulation`.
+
+A unit owns the sharded parameters of one module (a transformer block, or the root for the rest).
+Between `unshard` and `reshard` each original parameter's `.data` is a view into the unit's gathered
+buffer; otherwise it is an empty tensor and only the flat fp32 main shard holds the values.
+
+[Note: holders]
+A unit stays unsharded while any *holder* needs it: "fwd" (its own forward), "bwd" (its backward,
+from the pre-backward hook or an activation-checkpoint recomputation until its grads are reduced),
+or "<holder>@<unit>" when another unit uses one of its parameters (tied weights,
+smp.register_parameter). `reshard` drops one holder and frees the buffer when none is left, so a
+parameter is never freed under a user that still needs it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardpar.collectives import Engine, Group, ReduceOp
+from shardpar.layout import FlatLayout, ParamSlice
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+@dataclass(frozen=True)
+class UnitComm:
+    """What a unit needs to communicate: the engine and its two groups."""
+
+    engine: Engine
+    sharding: Group
+    replication: Group
+    shard_index: int
+
+
+class Unit:
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        layout: FlatLayout,
+        comm: UnitComm,
+        *,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if len(params) != len(layout.specs):
+            raise AssertionError(f"unit {name}: {len(params)} params but {len(layout.specs)} specs")
+        self.index = index
+        self.name = name
+        self.module = module
+        self.params = params
+        self.layout = layout
+        self.comm = comm
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.slices: tuple[ParamSlice, ...] = layout.slices(comm.shard_index)
+        self.main_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+        self.main_grad: torch.Tensor | None = None
+        self.state = UnitState.SHARDED
+        self.holders: set[str] = set()
+        self.deps: list[Unit] = []  # units whose parameters this unit's forward uses
+        self._full: torch.Tensor | None = None
+        self.num_trainable = sum(p.requires_grad for p in params)
+        self.has_frozen = self.num_trainable != len(params)
+        self.grads_arrived = 0
+        self.reduced = False  # in the running backward
+
+    # ---- initial sharding --------------------------------------------------------------------
+
+    def take_shards_from_params(self) -> None:
+        """Copy this rank's slice of each (full, materialised) parameter into the main shard, then free it."""
+        with torch.no_grad():
+            for p, sl in zip(self.params, self.slices, strict=True):
+                if sl.length:
+                    self.main_shard[sl.local].copy_(p.detach().reshape(-1)[sl.param])
+                p.data = self._empty(p)
+
+    def _empty(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=self.compute_dtype, device=p.device)
+
+    def compute_shard(self) -> torch.Tensor:
+        """The shard AllGathered by `unshard`, in compute dtype."""
+        if self.compute_dtype == torch.float32:
+            return self.main_shard
+        return self.main_shard.to(self.compute_dtype)
+
+    # ---- unshard / reshard -------------------------------------------------------------------
+
+    def unshard(self, holder: str) -> None:
+        """AllGather the unit (if not already) and point every original parameter at its full view."""
+        for dep in self.deps:
+            dep.unshard(f"{holder}@{self.index}")
+        self.holders.add(holder)
+        if self.state is UnitState.UNSHARDED:
+            return
+        full = self.comm.engine.alloc_buffer(self.layout.padded_numel, self.compute_dtype, self.device)
+        self.comm.engine.all_gather(full, self.compute_shard(), self.comm.sharding)
+        self._full = full
+        for p, spec in zip(self.params, self.layout.specs, strict=True):
+            p.data = full[spec.offset : spec.offset + spec.numel].view(spec.shape)
+        self.state = UnitState.UNSHARDED
+
+    def reshard(self, holder: str) -> None:
+        """Drop `holder`; free the gathered buffer once nobody holds the unit."""
+        if holder in self.holders:
+            self.holders.discard(holder)
+            for dep in self.deps:
+                dep.reshard(f"{holder}@{self.index}")
+        if self.holders or self.state is UnitState.SHARDED:
+            return
+        for p in self.params:
+            p.data = self._empty(p)
+        self._full = None
+        self.state = UnitState.SHARDED
+
+    @property
+    def num_live_elements(self) -> int:
+        return self.layout.padded_numel if self.state is UnitState.UNSHARDED else 0
+
+    # ---- gradients ---------------------------------------------------------------------------
+
+    def reduce_grads(self) -> None:
+        """ReduceScatter (average) the full grads into this rank's shard and add to the main grad.
+
+        A parameter that got no gradient contributes zeros: every rank reduces every trainable unit
+        exactly once per backward, so the collectives line up whatever the graph did.
+        """
+        flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        for p, spec in zip(self.params, self.layout.specs, strict=True):
+            if p.grad is not None:
+                flat[spec.offset : spec.offset + spec.numel].copy_(p.grad.reshape(-1))
+                p.grad = None
+        out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+        self.comm.engine.reduce_scatter(out, flat, self.comm.sharding, op=ReduceOp.AVG)
+        if self.main_grad is None:
+            self.main_grad = out
+        else:
+            self.main_grad.add_(out)
+        self.reduced = True
+
+    def finish_accumulation(self) -> None:
+        """At the accumulation boundary: average the main grad over the replication group."""
+        if self.main_grad is not None and self.comm.replication.size > 1:
+            self.comm.engine.all_reduce(self.main_grad, self.comm.replication, op=ReduceOp.AVG)
+
+    def begin_backward(self) -> None:
+        self.grads_arrived = 0
+        self.reduced = False
+
+    # ---- full values -------------------------------------------------------------------------
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the unit at full size (cloned, fp32), gathered from the main shards."""
+        full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        self.comm.engine.all_gather(full, self.main_shard, self.comm.sharding)
+        return {s.fqn: full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in self.layout.specs}
+
+    def load_full_params(self, values: dict[str, torch.Tensor]) -> None:
+        """Set the main shard from full parameter values (every rank passes the same values)."""
+        with torch.no_grad():
+            for sl in self.slices:
+                if sl.length and sl.spec.fqn in values:
+                    self.main_shard[sl.local].copy_(values[sl.spec.fqn].reshape(-1)[sl.param])
+            if self.state is UnitState.UNSHARDED and self._full is not None:
+                for p, spec in zip(self.params, self.layout.specs, strict=True):
+                    if spec.fqn in values:
+                        p.data.copy_(values[spec.fqn].view(spec.shape))

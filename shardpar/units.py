@@ -1,0 +1,83 @@
+"""Splitting a model into units and assigning every parameter an owner (pure module walking).
+
+Default units: each child of a repeated `nn.ModuleList` (HF `model.layers`, `gpt_neox.layers`,
+`transformer.h`, ...), outermost lists only, plus the root for everything else. `wrap` overrides
+the choice with module classes or a predicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+WrapPolicy = Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None
+
+
+@dataclass
+class UnitPlan:
+    name: str  # module FQN ("" for the root)
+    module: nn.Module
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)  # owned, in registration order
+    # parameters owned by another unit but used by this unit's modules (tied weights)
+    borrowed: list[nn.Parameter] = field(default_factory=list)
+
+
+def _is_repeated_list(m: nn.Module) -> bool:
+    children = list(m.children())
+    return (
+        isinstance(m, nn.ModuleList)
+        and len(children) >= 2
+        and len({type(c) for c in children}) == 1
+        and any(True for _ in m.parameters())
+    )
+
+
+def choose_unit_modules(root: nn.Module, wrap: WrapPolicy) -> list[tuple[str, nn.Module]]:
+    """(FQN, module) of every non-root unit, outermost first, in module order."""
+    if wrap is None:
+        lists = [(n, m) for n, m in root.named_modules() if _is_repeated_list(m)]
+        outer = [(n, m) for n, m in lists if not any(n.startswith(o + ".") for o, _ in lists if o != n)]
+        return [(f"{n}.{i}", c) for n, m in outer for i, c in enumerate(m.children())]
+    if callable(wrap) and not isinstance(wrap, Sequence):
+        predicate = wrap
+    else:
+        classes = tuple(wrap)
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            raise TypeError(f"wrap must be module classes or a predicate, got {wrap!r}")
+
+        def predicate(m: nn.Module) -> bool:
+            return isinstance(m, classes)
+
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, m in root.named_modules():
+        if m is root or not predicate(m):
+            continue
+        if any(name.startswith(c + ".") for c, _ in chosen):
+            continue  # nested inside a chosen unit: part of it
+        chosen.append((name, m))
+    return chosen
+
+
+def plan_units(root: nn.Module, wrap: WrapPolicy) -> list[UnitPlan]:
+    """Units in forward order (root first); each parameter owned by exactly one unit."""
+    units = [UnitPlan("", root)] + [UnitPlan(n, m) for n, m in choose_unit_modules(root, wrap)]
+    prefixes = [(u.name + ".", u) for u in units[1:]]
+
+    def unit_of(fqn: str) -> UnitPlan:
+        best = units[0]
+        for prefix, u in prefixes:
+            if fqn.startswith(prefix) and len(prefix) > len(best.name) + 1:
+                best = u
+        return best
+
+    owner: dict[int, UnitPlan] = {}
+    for fqn, p in root.named_parameters(remove_duplicate=False):
+        u = unit_of(fqn)
+        if id(p) not in owner:
+            owner[id(p)] = u
+            u.params.append((fqn, p))
+        elif owner[id(p)] is not u and all(q is not p for q in u.borrowed):
+            u.borrowed.append(p)
+    return units

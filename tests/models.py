@@ -1,0 +1,82 @@
+"""Small real models for parity tests: an uneven MLP, tiny HF GPT-NeoX, tiny HF GPT-2 (tied embeddings)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class UnevenMLP(nn.Module):
+    """Deliberately odd shapes (7, 13, 5), a scalar-ish parameter under any threshold, a ModuleList."""
+
+    def __init__(self, width: int = 13, hidden: int = 7, depth: int = 3, out: int = 5) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(Block(width, hidden) for _ in range(depth))
+        self.head = nn.Linear(width, out)
+        self.temperature = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        logits = self.head(h) * self.temperature
+        return nn.functional.cross_entropy(logits, y)
+
+
+def mlp_batch(seed: int, n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, 13, generator=g), "y": torch.randint(0, 5, (n,), generator=g)}
+
+
+def tiny_neox(seed: int = 0) -> nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GPTNeoXConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
+    return GPTNeoXForCausalLM(cfg)
+
+
+def tiny_gpt2_tied(seed: int = 0) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=96,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def lm_batch(seed: int, n: int, seq: int = 16, vocab: int = 96) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
