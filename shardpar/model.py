@@ -94,8 +94,8 @@ class DistributedModel(nn.Module):
         )
         units: list[Unit] = []
         for up in plans:
-            if not up.params:
-                continue
+            # Units without sharded parameters are kept (they communicate nothing): their hooks still
+            # hold the parameters they borrow (smp.register_parameter) and mark the start of backward.
             layout = flat_layout([(n, tuple(p.shape)) for n, p in up.params], comm.sharding.size)
             unit = Unit(
                 len(units),
@@ -134,9 +134,6 @@ class DistributedModel(nn.Module):
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
         self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward))
-        if not self.units or self.units[0].module is not self.module:
-            # No sharded root params: still need the root hooks to catch the start of backward.
-            self._handles.append(self.module.register_forward_hook(self._root_post_forward_only))
 
     # ---- hooks --------------------------------------------------------------------------------
 
@@ -164,14 +161,10 @@ class DistributedModel(nn.Module):
             # A backward that raised never ran its end callback; a new forward starts clean.
             self._finalize_queued_for = None
 
-    def _root_post_forward_only(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
-            self._register_pre_backward(None, output)
-
-    def _register_pre_backward(self, unit: Unit | None, output: Any) -> None:
+    def _register_pre_backward(self, unit: Unit, output: Any) -> None:
         def on_grad(grad: torch.Tensor) -> None:
             self._queue_finalize()
-            if unit is not None and not unit.reduced:
+            if not unit.reduced:
                 unit.unshard("bwd")
 
         for t in _tensors(output):

@@ -102,6 +102,9 @@ class Unit:
         self.holders.add(holder)
         if self.state is UnitState.UNSHARDED:
             return
+        if self.layout.numel == 0:
+            self.state = UnitState.UNSHARDED
+            return
         full = self.comm.engine.alloc_buffer(self.layout.padded_numel, self.compute_dtype, self.device)
         self.comm.engine.all_gather(full, self.compute_shard(), self.comm.sharding)
         self._full = full
@@ -160,6 +163,8 @@ class Unit:
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the unit at full size (cloned, fp32), gathered from the main shards."""
+        if self.layout.numel == 0:
+            return {}
         full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
         self.comm.engine.all_gather(full, self.main_shard, self.comm.sharding)
         return {s.fqn: full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in self.layout.specs}

@@ -1,0 +1,248 @@
+"""Cases for test_behaviour.py, run on every rank of a pool (importable for spawn)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import shardpar as smp
+from tests import models
+from tests.multiproc.parity import ADAM
+
+SHARD = {"sdp_param_persistence_threshold": 10}
+
+
+def schedule_case() -> dict[str, Any]:
+    """MLP, world 4, sdp 2, accumulation 2: the exact collective schedule of one optimizer step."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2})
+    model = smp.DistributedModel(models.UnevenMLP(), backward_passes_per_step=2)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
+    stats = smp.comm_stats()
+    micro_records = []
+    for micro in range(2):
+        stats.begin_step()
+        batch = models.mlp_batch(micro, 4)
+        model.backward(model(**batch) / 2)
+        micro_records.append([(r.op, r.group, r.bytes) for r in stats.begin_step()])
+    opt.step()
+    step_records = [(r.op, r.group, r.bytes) for r in stats.begin_step()]
+    unit_bytes = {u.name: u.layout.padded_numel * 4 for u in model.units}
+    persistent = sum(p.numel() for _, p in model.persistent) * 4
+    return {"micro": micro_records, "step": step_records, "unit_bytes": unit_bytes, "persistent": persistent}
+
+
+def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen and s.nbytes():
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def _model_state_tensors(model: Any, opt: Any) -> list[torch.Tensor | None]:
+    """Every tensor the model and optimizer keep: original params (data and grad), buffers, unit
+    shards, main grads and gathered buffers, optimizer params, grads and state."""
+    out: list[torch.Tensor | None] = []
+    for p in model.module.parameters():
+        out += [p.data, p.grad]
+    out += list(model.module.buffers())
+    for u in model.units:
+        out += [u.main_shard, u.main_grad, u._full]
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out += [p, p.grad]
+    for state in opt.state.values():
+        out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def memory_case(sdp: int) -> dict[str, float]:
+    """Model-state bytes alive per rank after a training step, measured from the live tensors."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": sdp})
+    module = models.tiny_neox()
+    numel = sum(p.numel() for p in module.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    model = smp.DistributedModel(module)
+    persistent = sum(p.numel() for _, p in model.persistent)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
+    loss = model(**models.lm_batch(0, 2)).loss
+    model.backward(loss)
+    opt.step()
+    alive = _storage_bytes(_model_state_tensors(model, opt))
+    # full single-process model state: params + grads + Adam exp_avg + exp_avg_sq, fp32
+    total = numel * 4 * 4
+    return {
+        "alive": float(alive),
+        "total": float(total),
+        "persistent": float(persistent * 4 * 4),
+        "buffers": float(buffers),
+    }
+
+
+class Layer1(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 6) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight)
+
+
+class Layer2(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.proj(x @ w.T)
+
+
+class Registered(nn.Module):
+    """Reference 003's register_parameter example: layer2's forward uses layer1.weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer1 = Layer1()
+        self.layer2 = Layer2()
+        smp.register_parameter(self, self.layer1.weight)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.layer1(x)
+        return nn.functional.cross_entropy(self.layer2(h, self.layer1.weight), y)
+
+
+def register_parameter_case() -> float:
+    smp.init({"sharded_data_parallel_degree": smp_world(), "sdp_param_persistence_threshold": 4})
+    model = smp.DistributedModel(Registered(), wrap=[Layer1, Layer2])
+    ref = Registered()
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    diff = 0.0
+    for _ in range(3):
+        x, y = torch.randn(4 * smp.size(), 6, generator=g), torch.randint(0, 3, (4 * smp.size(),), generator=g)
+        r = smp.rank()
+        model.backward(model(x[4 * r : 4 * r + 4], y[4 * r : 4 * r + 4]))
+        opt.step()
+        opt.zero_grad()
+        nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ours, theirs = model.state_dict(), ref.state_dict()
+    diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+    return diff
+
+
+def smp_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+def step_microbatches_case(microbatches: int) -> dict[str, Any]:
+    """@smp.step over microbatches vs a single-process step on the whole batch."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, "microbatches": microbatches, "sdp_gradient_clipping": 0.0})
+    model = smp.DistributedModel(models.tiny_neox())
+    # SGD: linear in the gradient, so the check is about micro-batch averaging, not Adam's
+    # conditioning (see [Note: Adam eps in parity tests]).
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    ref = models.tiny_neox()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+
+    @smp.step
+    def train_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = model(**batch).loss
+        model.backward(loss)
+        return loss
+
+    rank, world = smp.rank(), smp.size()
+    losses = []
+    for step in range(2):
+        batch = models.lm_batch(step, 4 * world)
+        out = train_step(model, {k: v[4 * rank : 4 * rank + 4] for k, v in batch.items()})
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean = sum(smp.allgather(out.reduce_mean().item())) / world
+        losses.append((mean, ref_loss.item(), len(out), tuple(out.stack().shape)))
+    ours, theirs = model.state_dict(), ref.state_dict()
+    return {"losses": losses, "param": max((ours[k] - theirs[k]).abs().max().item() for k in theirs)}
+
+
+def checkpointing_and_eval_case(use_reentrant: bool) -> dict[str, Any]:
+    """HF gradient checkpointing (recompute re-gathers), then eval forward and generate()."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0})
+    module = models.tiny_neox()
+    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref = models.tiny_neox()
+    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model.train()
+    ref.train()
+    rank, world = smp.rank(), smp.size()
+    for step in range(2):
+        batch = models.lm_batch(step, 2 * world)
+        loss = model(**{k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}).loss
+        loss.backward()  # plain backward, no model.backward
+        opt.step()
+        opt.zero_grad()
+        ref(**batch).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ours, theirs = model.state_dict(), ref.state_dict()
+    train_diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+    model.eval()
+    ref.eval()
+    prompt = models.lm_batch(7, 2)["input_ids"][:, :5]
+    with torch.no_grad():
+        logits_diff = (model(input_ids=prompt).logits - ref(input_ids=prompt).logits).abs().max().item()
+    sharded_after_eval = model.all_sharded()
+    gen = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ref_gen = ref.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return {
+        "train": train_diff,
+        "logits": logits_diff,
+        "sharded": sharded_after_eval,
+        "generate_equal": bool(torch.equal(gen, ref_gen)),
+        "all_sharded_end": model.all_sharded(),
+    }
+
+
+def state_dict_case() -> dict[str, Any]:
+    """local_state_dict holds this rank's slices; load_state_dict round-trips; optimizer state is local."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2})
+    model = smp.DistributedModel(models.UnevenMLP())
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
+    model.backward(model(**models.mlp_batch(0, 4)))
+    opt.step()
+    full = model.state_dict()
+    local = model.local_state_dict()
+    ref = models.UnevenMLP()
+    fresh = smp.DistributedModel(ref)
+    fresh.load_state_dict(full)
+    again = fresh.state_dict()
+    osd = opt.state_dict()
+    local_numel = sum(v.numel() for v in local.values())
+    state_numel = sum(s["exp_avg"].numel() for s in osd["state"].values())
+    return {
+        "keys_equal": list(full) == list(models.UnevenMLP().state_dict()),
+        "roundtrip": max((again[k] - full[k]).abs().max().item() for k in full),
+        "local_numel": local_numel,
+        "state_numel": state_numel,
+        "full_numel": sum(v.numel() for v in full.values()),
+        "shapes_ok": all(tuple(full[k].shape) == tuple(v.shape) for k, v in models.UnevenMLP().state_dict().items()),
+    }

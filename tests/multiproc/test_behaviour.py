@@ -1,0 +1,71 @@
+"""DistributedModel behaviour beyond parity: schedule, memory, register_parameter, smp.step,
+activation checkpointing, eval/generate, state dicts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.multiproc import behaviour
+
+
+def test_exact_schedule_with_accumulation(ranks) -> None:
+    res = ranks.run(4, behaviour.schedule_case)[0]
+    ub = res["unit_bytes"]
+    blocks = ["blocks.0", "blocks.1", "blocks.2"]
+    fwd = [("all_gather", "sharding", ub[n]) for n in ["<root>", *blocks]]
+    bwd = []
+    for n in reversed(blocks):  # root stays gathered from forward into backward
+        bwd += [("all_gather", "sharding", ub[n]), ("reduce_scatter", "sharding", ub[n])]
+    bwd.append(("reduce_scatter", "sharding", ub["<root>"]))
+    assert res["micro"][0] == fwd + bwd, "first micro-step: no replication AllReduce"
+    boundary = [("all_reduce", "replication", ub[n] // 2) for n in ["<root>", *blocks]]  # the shard
+    boundary.append(("all_reduce", "rdp", res["persistent"]))
+    assert res["micro"][1] == fwd + bwd + boundary, "last micro-step: replication + persistent AllReduce"
+    assert res["step"] == [("all_reduce", "sharding", 4)], "clipping: one scalar collective"
+
+
+@pytest.mark.parametrize("sdp", [2, 4])
+def test_model_state_memory_is_divided_by_sdp(ranks, sdp: int) -> None:
+    for rank, r in enumerate(ranks.run(4, behaviour.memory_case, sdp)):
+        allowed = 1.05 * r["total"] / sdp + r["persistent"] + r["buffers"]
+        assert r["alive"] <= allowed, f"rank {rank}: {r['alive']:.0f} B alive > {allowed:.0f} B allowed"
+        # and it is not trivially small: the shards really are there
+        assert r["alive"] >= 0.9 * (r["total"] - r["persistent"]) / sdp
+
+
+def test_register_parameter_reference_example(ranks) -> None:
+    for diff in ranks.run(2, behaviour.register_parameter_case):
+        assert diff <= 1e-6
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_smp_step_microbatches(ranks, microbatches: int) -> None:
+    res = ranks.run(2, behaviour.step_microbatches_case, microbatches)[0]
+    for mean, ref, n, stacked in res["losses"]:
+        assert abs(mean - ref) <= 1e-5
+        assert n == microbatches and stacked[0] == microbatches
+    assert res["param"] <= 1e-5
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_eval_and_generate(ranks, use_reentrant: bool) -> None:
+    for r in ranks.run(2, behaviour.checkpointing_and_eval_case, use_reentrant):
+        assert r["train"] <= 1e-5, r
+        assert r["logits"] <= 1e-5, r
+        assert r["sharded"] and r["all_sharded_end"], "eval/generate leave every unit sharded"
+        assert r["generate_equal"], r
+
+
+def test_state_dicts(ranks) -> None:
+    results = ranks.run(2, behaviour.state_dict_case)
+    counts = Counter()
+    for r in results:
+        assert r["keys_equal"] and r["shapes_ok"]
+        assert r["roundtrip"] == 0.0
+        counts["local"] += r["local_numel"]
+        assert r["state_numel"] <= r["local_numel"]
+    full = results[0]["full_numel"]
+    # shards partition the sharded params; persistent ones are on both ranks
+    assert full <= counts["local"] <= full + 2 * 20
