@@ -5,65 +5,31 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
-from typing import Any
 
 from shardpar.topology import plan
 
 
-def _demo_rank(sdp: int, numel: int) -> dict[str, Any]:
-    import torch
-
-    import shardpar as smp
-    from shardpar.collectives import ReduceOp
-
-    smp.init({"sharded_data_parallel_degree": sdp})
-    eng, topo = smp.get_engine(), smp.get_topology()
-    shard = torch.full((numel,), float(smp.rank()))
-    full = torch.empty(numel * sdp)
-    timings: dict[str, float] = {}
-    smp.comm_stats().begin_step()
-    start = time.perf_counter()
-    eng.all_gather(full, shard, topo.sharding)
-    timings["all_gather"] = time.perf_counter() - start
-    expected = torch.cat([torch.full((numel,), float(r)) for r in topo.sharding.ranks])
-    if not torch.equal(full, expected):
-        raise AssertionError("all_gather returned wrong data")
-    start = time.perf_counter()
-    eng.reduce_scatter(shard, full, topo.sharding, op=ReduceOp.AVG)
-    timings["reduce_scatter"] = time.perf_counter() - start
-    start = time.perf_counter()
-    eng.all_reduce(shard, topo.replication, op=ReduceOp.AVG)
-    timings["all_reduce"] = time.perf_counter() - start
-    records = smp.comm_stats().begin_step()
-    return {
-        "rank": smp.rank(),
-        "sdp_rank": smp.sdp_rank(),
-        "replica": smp.replica_rank(),
-        "timings": timings,
-        "bytes": {r.op: r.bytes for r in records},
-    }
-
-
 def demo(args: argparse.Namespace) -> int:
+    from shardpar.demo import demo_rank
     from shardpar.launcher import launch_local
 
     world, sdp = args.nprocs, args.sdp
     p = plan(world, 1, sdp)
-    print(f"shardpar demo: {world} CPU ranks on this machine, sharded_data_parallel_degree={sdp}")
-    print(f"  sharding groups (parameters are split across each): {list(p.sharding_groups)}")
-    print(f"  replication groups (same shard, averaged at the accumulation boundary): {list(p.replication_groups)}")
-    numel = args.mib * 1024 * 1024 // 4
-    print(f"  running AllGather -> ReduceScatter -> AllReduce of a {args.mib} MiB fp32 shard per rank ...")
-    results = launch_local(_demo_rank, world, sdp, numel)
-    for res in results:
-        t = res["timings"]
-        print(
-            f"  rank {res['rank']} (replica {res['replica']}, shard {res['sdp_rank']}): "
-            + ", ".join(f"{op} {t[op] * 1e3:.1f} ms / {res['bytes'][op] / 2**20:.0f} MiB" for op in t)
-        )
-    print("  every gathered buffer matched the concatenation of the shards; communication was counted per op.")
-    return 0
+    print(f"shardpar demo: training a tiny GPT-NeoX on {world} CPU ranks, sharded_data_parallel_degree={sdp}")
+    print(f"  sharding groups (each holds one copy of the model, split {sdp} ways): {list(p.sharding_groups)}")
+    print(f"  replication groups (same shard, gradients averaged at the step boundary): {list(p.replication_groups)}")
+    results = launch_local(demo_rank, world, sdp, args.steps, args.batch, args.seq)
+    first = results[0]
+    history = first["history"]
+    print(
+        f"  model: {first['numel']:,} parameters; each rank keeps {first['shard']:,} in its shards "
+        f"(~1/{sdp} of the sharded ones)"
+    )
+    print(
+        f"  loss {history[0]:.3f} -> {history[-1]:.3f} over {len(history)} steps "
+        f"({'falling' if history[-1] < history[0] else 'NOT falling'})"
+    )
+    return 0 if history[-1] < history[0] else 1
 
 
 def env(args: argparse.Namespace) -> int:
@@ -88,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="run a short multi-rank job on this machine")
     d.add_argument("--nprocs", type=int, default=4)
     d.add_argument("--sdp", type=int, default=2)
-    d.add_argument("--mib", type=int, default=4)
+    d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    d.add_argument("--seq", type=int, default=64)
     d.set_defaults(func=demo)
     e = sub.add_parser("env", help="versions and a topology preview")
     e.add_argument("--world", type=int, default=8)
