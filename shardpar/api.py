@@ -11,6 +11,7 @@ import enum
 import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +22,10 @@ from torch import nn
 from shardpar.collectives import CommStats, CountingEngine, Engine, Group, make_engine
 from shardpar.collectives.native import all_gather_object, broadcast_object
 from shardpar.config import Config
+from shardpar.deferred_init import deferred_init
 from shardpar.model import DistributedModel as _DistributedModel
 from shardpar.optimizer import DistributedOptimizer as _DistributedOptimizer
+from shardpar.precision import make_loss_scaler
 from shardpar.step import StepOutput, make_step
 from shardpar.topology import Plan, Topology, plan
 
@@ -281,31 +284,51 @@ def DistributedModel(
         raise ValueError("the module is already a DistributedModel; wrap the plain module once")
     registered = {id(m): list(ps) for m, ps in _REGISTERED.items()}
     model = _DistributedModel(
-        module.to(st.device) if _has_real_params(module) else module,
+        module.to(st.device) if not _has_meta_tensors(module) else module,
         config=st.config,
         topology=st.topology,
         engine=st.engine,
         backward_passes_per_step=backward_passes_per_step,
         wrap=wrap,
         registered=registered,
+        device=st.device,
     )
     st.model = model
     return model
 
 
-def _has_real_params(module: nn.Module) -> bool:
-    return any(p.device.type != "meta" for p in module.parameters())
+def _has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def delay_param_initialization() -> AbstractContextManager[None]:
+    """Build a model inside this context to create no parameter memory: each rank later materialises
+    only its shards (one full parameter at a time), with the values a normal init would give."""
+    return deferred_init()
 
 
 def DistributedOptimizer(
-    optimizer: torch.optim.Optimizer, model: _DistributedModel | None = None
+    optimizer: torch.optim.Optimizer,
+    static_loss_scale: float = 1.0,
+    dynamic_loss_scale: bool = False,
+    dynamic_loss_args: dict[str, Any] | None = None,
+    *,
+    model: _DistributedModel | None = None,
 ) -> _DistributedOptimizer:
-    """Re-point `optimizer` at the local main shards; clipping (sdp_gradient_clipping) runs in step()."""
+    """Re-point `optimizer` at the local main shards. Clipping (sdp_gradient_clipping) and, with fp16,
+    loss scaling run inside step(): static, or dynamic with `dynamic_loss_args` keys init_scale,
+    scale_factor, scale_window, min_scale, delayed_shift, consecutive_hysteresis."""
     st = state()
     model = model or st.model
     if model is None:
         raise ValueError("smp.DistributedOptimizer needs a model: call smp.DistributedModel(model) first")
-    return _DistributedOptimizer(optimizer, model, clip_norm=st.config.sdp_gradient_clipping)
+    scaler = make_loss_scaler(
+        model.policy,
+        static_loss_scale=static_loss_scale,
+        dynamic_loss_scale=dynamic_loss_scale,
+        dynamic_loss_args=dynamic_loss_args,
+    )
+    return _DistributedOptimizer(optimizer, model, clip_norm=st.config.sdp_gradient_clipping, loss_scaler=scaler)
 
 
 def step(fn: Callable[..., Any]) -> Callable[..., StepOutput]:

@@ -54,6 +54,7 @@ class Config:
     sdp_gradient_clipping: float = _knob(1.0, "global L2 max norm applied in optimizer.step(); 0 = off", minimum=0)
     fp16: bool = _knob(False, "fp16 compute with loss scaling")
     bf16: bool = _knob(False, "bf16 compute")
+    sdp_reduce_dtype: str = _knob("fp32", "dtype of gradient reductions: fp32 | bf16 | fp16 (= the compute dtype)")
     ddp_dist_backend: str = _knob("auto", "collective engine: auto | nccl (native torch.distributed) | smddp")
     prescaled_batch: bool = _knob(False, "the TP group reads one combined batch")
     delayed_parameter_initialization: bool = _knob(False, "each rank materialises only its shards")
@@ -137,6 +138,17 @@ class Config:
             raise ValueError(
                 f"ddp_dist_backend={self.ddp_dist_backend!r} is not one of {ENGINE_CHOICES}; "
                 "use 'auto' (smddp where supported), 'nccl' (native torch.distributed) or 'smddp'"
+            )
+        if self.sdp_reduce_dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(
+                f"sdp_reduce_dtype={self.sdp_reduce_dtype!r} is not one of ('fp32', 'bf16', 'fp16'); "
+                "use 'fp32' (default) or the compute dtype"
+            )
+        compute = "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+        if self.sdp_reduce_dtype not in ("fp32", compute):
+            raise ValueError(
+                f"sdp_reduce_dtype={self.sdp_reduce_dtype!r} needs {self.sdp_reduce_dtype}=True (compute dtype is "
+                f"{compute}); reduce in 'fp32' or in the compute dtype"
             )
         if sdp > 1 and self.pipeline_parallel_degree > 1:
             raise ValueError(

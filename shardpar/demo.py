@@ -53,7 +53,7 @@ def demo_rank(sdp: int, steps: int, batch: int, seq: int) -> dict[str, Any]:
     model = smp.DistributedModel(GPTNeoXForCausalLM(cfg))
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
     data = corpus_bytes()
-    numel = sum(u.layout.numel for u in model.units) + sum(p.numel() for _, p in model.persistent)
+    numel = sum(u.layout.numel for u in model.units) + model.persistent.main.numel()
     history = []
     for step in range(steps):
         start = time.perf_counter()

@@ -14,16 +14,19 @@ in unit.py for how shared parameters stay alive.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from shardpar.collectives import Engine, ReduceOp
+from shardpar.collectives import Engine
 from shardpar.config import Config
+from shardpar.deferred_init import is_deferred, materialize, materialize_by_reset
 from shardpar.layout import flat_layout
+from shardpar.persistent import PersistentParams
+from shardpar.precision import DtypePolicy
 from shardpar.topology import Topology
 from shardpar.unit import Unit, UnitComm, UnitState
 from shardpar.units import UnitPlan, WrapPolicy, plan_units
@@ -54,6 +57,7 @@ class DistributedModel(nn.Module):
         backward_passes_per_step: int = 1,
         wrap: WrapPolicy = None,
         registered: _Registered | None = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         if backward_passes_per_step < 1:
@@ -65,11 +69,23 @@ class DistributedModel(nn.Module):
         self.backward_passes_per_step = backward_passes_per_step
         self.num_backward = 0
         self.microbatches_in_step = 1  # set by smp.step while it runs
+        self.loss_scale = 1.0  # set by the DistributedOptimizer's fp16 loss scaler
+        self.policy = DtypePolicy.from_config(config)
         self._finalize_queued_for: int | None = None
-        self.device = _module_device(module)
+        self.device = device or _module_device(module)
+        materialize = _Materializer(module, self.device)
+        materialize.buffers()
         plans = plan_units(module, wrap)
-        self.persistent = self._split_persistent(plans)
-        self.units = self._build_units(plans)
+        self.persistent = PersistentParams(
+            self._split_persistent(plans),
+            engine=engine,
+            rdp=topology.rdp,
+            compute_dtype=self.policy.compute,
+            reduce_dtype=self.policy.reduce,
+            device=self.device,
+            materialize=materialize,
+        )
+        self.units = self._build_units(plans, materialize)
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         self._link_dependencies(plans, registered or {})
         self._install_hooks()
@@ -85,7 +101,7 @@ class DistributedModel(nn.Module):
             up.params = [(n, p) for n, p in up.params if p.numel() >= threshold]
         return persistent
 
-    def _build_units(self, plans: list[UnitPlan]) -> list[Unit]:
+    def _build_units(self, plans: list[UnitPlan], materialize: Callable[[nn.Parameter], torch.Tensor]) -> list[Unit]:
         comm = UnitComm(
             engine=self.engine,
             sharding=self.topology.sharding,
@@ -104,10 +120,10 @@ class DistributedModel(nn.Module):
                 [p for _, p in up.params],
                 layout,
                 comm,
-                compute_dtype=torch.float32,
+                policy=self.policy,
                 device=self.device,
             )
-            unit.take_shards_from_params()
+            unit.take_shards_from_params(materialize)
             units.append(unit)
         return units
 
@@ -130,7 +146,7 @@ class DistributedModel(nn.Module):
             for p in unit.params:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
-        for _, p in self.persistent:
+        for p in self.persistent.params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
         self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward))
@@ -197,11 +213,12 @@ class DistributedModel(nn.Module):
         for unit in self.units:
             if unit.num_trainable and not unit.reduced:
                 unit.reduce_grads()
+        self.persistent.collect_grads()
         self.num_backward += 1
         if self.is_accumulation_boundary(self.num_backward - 1):
             for unit in self.units:
                 unit.finish_accumulation()
-            self._reduce_persistent_grads()
+            self.persistent.finish_accumulation()
         for unit in self.units:
             unit.holders.clear()
             unit.reshard("")
@@ -212,26 +229,14 @@ class DistributedModel(nn.Module):
         window = self.backward_passes_per_step * self.microbatches_in_step
         return (backward_index + 1) % window == 0
 
-    def _reduce_persistent_grads(self) -> None:
-        params = [p for _, p in self.persistent if p.requires_grad]
-        rdp = self.topology.rdp
-        if not params or rdp.size == 1:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        self.engine.all_reduce(flat, rdp, op=ReduceOp.AVG)
-        offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-
     # ---- nn.Module surface --------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """`loss.backward()`, scaled for the micro-batches of smp.step."""
-        scale = 1.0 / self.microbatches_in_step
+        """`loss.backward()`, scaled by the fp16 loss scale and 1/micro-batches of smp.step."""
+        scale = self.loss_scale / self.microbatches_in_step
         (loss * scale if scale != 1.0 else loss).backward()
 
     def __getattr__(self, name: str) -> Any:
@@ -252,6 +257,8 @@ class DistributedModel(nn.Module):
             values = unit.full_params()
             for p, spec in zip(unit.params, unit.layout.specs, strict=True):
                 full[id(p)] = values[spec.fqn]
+        for i, p in enumerate(self.persistent.params):
+            full[id(p)] = self.persistent.main_view(i).detach().clone()  # fp32 main, not the compute copy
         out: dict[str, Any] = OrderedDict()
         for key, value in self.module.state_dict(keep_vars=True).items():
             out[key] = full[id(value)] if id(value) in full else value.detach().clone()
@@ -265,10 +272,8 @@ class DistributedModel(nn.Module):
             raise ValueError(f"load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}")
         for unit in self.units:
             unit.load_full_params({s.fqn: state_dict[s.fqn] for s in unit.layout.specs if s.fqn in state_dict})
+        self.persistent.load(dict(state_dict))
         with torch.no_grad():
-            for name, p in self.persistent:
-                if name in state_dict:
-                    p.copy_(state_dict[name])
             for name, b in self.module.named_buffers():
                 if name in state_dict:
                     b.copy_(state_dict[name])
@@ -280,8 +285,8 @@ class DistributedModel(nn.Module):
         for unit in self.units:
             for sl in unit.slices:
                 out[sl.spec.fqn] = unit.main_shard[sl.local].detach().clone()
-        for name, p in self.persistent:
-            out[name] = p.detach().clone()
+        for i, (name, _) in enumerate(self.persistent.named):
+            out[name] = self.persistent.main_view(i).detach().clone()
         return out
 
     def live_elements(self) -> int:
@@ -290,6 +295,49 @@ class DistributedModel(nn.Module):
 
     def all_sharded(self) -> bool:
         return all(u.state is UnitState.SHARDED for u in self.units)
+
+
+class _Materializer:
+    """Full values of one parameter at a time (delayed initialization; see deferred_init.py).
+
+    A parameter recorded under `smp.delay_param_initialization()` is replayed exactly; one that is
+    merely on the meta device (accelerate's `init_empty_weights`) gets its module's own
+    `reset_parameters()` with a fixed seed, the same on every rank; a real one is used as it is.
+    Callers keep their shard and drop the full tensor, so a rank never holds more than one full
+    parameter beyond its shards.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        self.module = module
+        self.device = device
+        self._owner: dict[int, tuple[nn.Module, str]] = {}
+        self._reset_values: dict[int, torch.Tensor] = {}
+        for m in module.modules():
+            for name, p in m.named_parameters(recurse=False):
+                self._owner.setdefault(id(p), (m, name))
+
+    def __call__(self, p: nn.Parameter) -> torch.Tensor:
+        if is_deferred(p):
+            return materialize(p, self.device)
+        if p.is_meta:
+            if id(p) not in self._reset_values:
+                # Reset the owning module's parameters together, while they are all still meta
+                # (a module's reset_parameters reads its siblings, e.g. Linear's bias reads the weight).
+                owner, _ = self._owner[id(p)]
+                for name, q in owner.named_parameters(recurse=False):
+                    if q.is_meta and not is_deferred(q):
+                        self._reset_values[id(q)] = materialize_by_reset(owner, name, device=self.device, seed=0)
+            return self._reset_values.pop(id(p))
+        return p.detach()
+
+    def buffers(self) -> None:
+        """Buffers are replicated, not sharded: materialise them whole, in place."""
+        for m in self.module.modules():
+            for name, b in list(m._buffers.items()):
+                if b is not None and (is_deferred(b) or b.is_meta):
+                    m._buffers[name] = (
+                        materialize(b, self.device) if is_deferred(b) else torch.zeros_like(b, device=self.device)
+                    )
 
 
 def _module_device(module: nn.Module) -> torch.device:

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardpar.collectives import ReduceOp
 from shardpar.model import DistributedModel
+from shardpar.persistent import PersistentParams
+from shardpar.precision import LossScaler, StaticLossScaler
+from shardpar.unit import Unit
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -25,12 +27,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
     optimizer's, exposed as properties.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: DistributedModel, *, clip_norm: float) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: DistributedModel,
+        *,
+        clip_norm: float,
+        loss_scaler: LossScaler | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.model = model
         self.clip_norm = clip_norm
+        self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler(1.0)
+        self.overflow = False
+        model.loss_scale = self.loss_scaler.loss_scale
         self._main_piece: dict[int, nn.Parameter] = {}
         self._grad_slots: list[tuple[nn.Parameter, Any, slice]] = []  # (piece, unit, local slice)
+        self._persistent_slots: list[tuple[nn.Parameter, int]] = []  # (piece, index in the persistent set)
         self._build_pieces()
         self._repoint_groups()
         self.last_grad_norm: torch.Tensor | None = None
@@ -42,8 +55,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._main_piece[id(p)] = piece
                 if p.requires_grad:
                     self._grad_slots.append((piece, unit, sl.local))
-        for _, p in self.model.persistent:
-            self._main_piece[id(p)] = p
+        persistent = self.model.persistent
+        for i, p in enumerate(persistent.params):
+            piece = nn.Parameter(persistent.main_view(i), requires_grad=p.requires_grad)
+            self._main_piece[id(p)] = piece
+            if p.requires_grad:
+                self._persistent_slots.append((piece, i))
 
     def _repoint_groups(self) -> None:
         if self.optimizer.state:
@@ -67,56 +84,80 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _attach_grads(self) -> None:
         for piece, unit, local in self._grad_slots:
             piece.grad = None if unit.main_grad is None else unit.main_grad[local]
+        for piece, i in self._persistent_slots:
+            piece.grad = self.model.persistent.grad_view(i)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm over all shards and persistent params (each element once); scale if above.
+    def _main_grads(self) -> list[torch.Tensor]:
+        grads = [u.main_grad for u in self.model.units if u.main_grad is not None]
+        persistent = self.model.persistent.main_grad
+        return grads + ([persistent] if persistent is not None else [])
 
-        One AllReduce over the sharding group: shards are disjoint inside it, persistent grads are the
+    def grad_norm_squared(self) -> torch.Tensor:
+        """Squared global L2 norm of the (still scaled) grads: every element counted once.
+
+        One AllReduce over the sharding group: shards are disjoint inside it; persistent grads are the
         same on every rank after their rdp AllReduce, so only sharding-group position 0 adds them.
-        No host sync: the scale is applied as a tensor.
+        Replicas hold identical main grads after the boundary AllReduce, so they agree without
+        talking. An inf/nan anywhere makes the sum non-finite on every rank: the overflow check.
         """
-        device = self.model.device
-        sq = torch.zeros(1, dtype=torch.float32, device=device)
+        sq = torch.zeros(1, dtype=torch.float32, device=self.model.device)
         for unit in self.model.units:
             if unit.main_grad is not None:
                 sq += unit.main_grad.pow(2).sum()
-        if self.model.topology.coords.sdp_rank == 0:
-            for _, p in self.model.persistent:
-                if p.grad is not None:
-                    sq += p.grad.detach().float().pow(2).sum()
-        self.model.engine.all_reduce(sq, self.model.topology.sharding, op=ReduceOp.SUM)
-        norm = sq.sqrt()
-        if max_norm > 0:
-            # torch.nn.utils.clip_grad_norm_'s formula, so parity with a single-process run holds.
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for unit in self.model.units:
-                if unit.main_grad is not None:
-                    unit.main_grad.mul_(coef)
-            for _, p in self.model.persistent:
-                if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.dtype))
+        persistent = self.model.persistent.main_grad
+        if persistent is not None and self.model.topology.coords.sdp_rank == 0:
+            sq += persistent.pow(2).sum()
+        self.model.engine.all_reduce(sq, self.model.topology.sharding)
+        return sq
+
+    def _unscale_and_clip(self, sq: torch.Tensor) -> torch.Tensor:
+        """Divide out the loss scale and apply sdp_gradient_clipping, as one multiply per grad.
+
+        The clip coefficient is torch.nn.utils.clip_grad_norm_'s formula (parity with a single-process
+        run); it stays a tensor, so there is no host sync here.
+        """
+        inv_scale = 1.0 / self.loss_scaler.loss_scale
+        norm = sq.sqrt() * inv_scale
+        coef = torch.full_like(norm, inv_scale)
+        if self.clip_norm > 0:
+            coef = coef * torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0)
+        if self.clip_norm > 0 or inv_scale != 1.0:
+            for grad in self._main_grads():
+                grad.mul_(coef)
         return norm[0]
 
     def step(self, closure: Any = None) -> Any:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure (the model is sharded)")
-        self.last_grad_norm = self.clip_grad_norm(self.clip_norm) if self.clip_norm > 0 else None
+        needs_norm = self.clip_norm > 0 or self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0
+        sq = self.grad_norm_squared() if needs_norm else None
+        if sq is not None and self.model.policy.compute == torch.float16:
+            # fp16: the only host sync of the step, needed to decide the skip on every rank alike.
+            self.overflow = not bool(torch.isfinite(sq).item())
+            self.loss_scaler.update(self.overflow)
+            if self.overflow:
+                self.model.loss_scale = self.loss_scaler.loss_scale
+                return None
+        self.last_grad_norm = self._unscale_and_clip(sq) if sq is not None else None
         self._attach_grads()
-        return self.optimizer.step()
+        result = self.optimizer.step()
+        for unit in self.model.units:
+            unit.refresh_compute()
+        self.model.persistent.refresh_compute()
+        self.model.loss_scale = self.loss_scaler.loss_scale
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for unit in self.model.units:
+        holders: list[Unit | PersistentParams] = [*self.model.units, self.model.persistent]
+        for holder in holders:
             if set_to_none:
-                unit.main_grad = None
-            elif unit.main_grad is not None:
-                unit.main_grad.zero_()
+                holder.main_grad = None
+            elif holder.main_grad is not None:
+                holder.main_grad.zero_()
         for piece, _, _ in self._grad_slots:
             piece.grad = None
-        for _, p in self.model.persistent:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        for piece, _ in self._persistent_slots:
+            piece.grad = None
 
     # ---- torch.optim surface ------------------------------------------------------------------
 
@@ -133,11 +174,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (for its shards), in torch.optim's format."""
-        return self.optimizer.state_dict()
+        """This rank's optimizer state (for its shards) in torch.optim's format, plus the loss scaler."""
+        return {**self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        state = dict(state_dict)
+        scaler = state.pop("loss_scaler", None)
+        self.optimizer.load_state_dict(state)
+        if scaler is not None:
+            self.loss_scaler.load_state_dict(scaler)
+            self.model.loss_scale = self.loss_scaler.loss_scale
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         raise ValueError("add_param_group after wrapping is not supported; build all groups before wrapping")

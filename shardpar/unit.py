@@ -15,6 +15,7 @@ parameter is never freed under a user that still needs it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,17 @@ from torch import nn
 
 from shardpar.collectives import Engine, Group, ReduceOp
 from shardpar.layout import FlatLayout, ParamSlice
+from shardpar.precision import DtypePolicy
+
+
+def set_param_data(p: nn.Parameter, data: torch.Tensor) -> None:
+    """`p.data = data`, also when `p` is still a meta tensor (delayed initialization): meta and real
+    tensors have incompatible implementations for `.data`, so the first assignment swaps the whole
+    tensor in place -- the Parameter object (and every reference to it) stays the same."""
+    if p.is_meta and not data.is_meta:
+        torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
+    else:
+        p.data = data
 
 
 class UnitState(enum.Enum):
@@ -49,7 +61,7 @@ class Unit:
         layout: FlatLayout,
         comm: UnitComm,
         *,
-        compute_dtype: torch.dtype,
+        policy: DtypePolicy,
         device: torch.device,
     ) -> None:
         if len(params) != len(layout.specs):
@@ -60,11 +72,13 @@ class Unit:
         self.params = params
         self.layout = layout
         self.comm = comm
-        self.compute_dtype = compute_dtype
+        self.policy = policy
+        self.compute_dtype = policy.compute
         self.device = device
         self.slices: tuple[ParamSlice, ...] = layout.slices(comm.shard_index)
         self.main_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         self.main_grad: torch.Tensor | None = None
+        self._compute_shard: torch.Tensor | None = None  # half-precision copy of main_shard (mixed only)
         self.state = UnitState.SHARDED
         self.holders: set[str] = set()
         self.deps: list[Unit] = []  # units whose parameters this unit's forward uses
@@ -76,22 +90,36 @@ class Unit:
 
     # ---- initial sharding --------------------------------------------------------------------
 
-    def take_shards_from_params(self) -> None:
-        """Copy this rank's slice of each (full, materialised) parameter into the main shard, then free it."""
+    def take_shards_from_params(self, materialize: Callable[[nn.Parameter], torch.Tensor]) -> None:
+        """Copy this rank's slice of each parameter into the main shard, then free the parameter.
+
+        `materialize` gives one full parameter at a time (a delayed-initialised one is built here),
+        so at most one full parameter lives beside the shards.
+        """
         with torch.no_grad():
             for p, sl in zip(self.params, self.slices, strict=True):
                 if sl.length:
-                    self.main_shard[sl.local].copy_(p.detach().reshape(-1)[sl.param])
-                p.data = self._empty(p)
+                    full = materialize(p)
+                    self.main_shard[sl.local].copy_(full.reshape(-1)[sl.param])
+                    del full
+                set_param_data(p, self._empty(p))
+        self.refresh_compute()
 
     def _empty(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.empty(0, dtype=self.compute_dtype, device=p.device)
+        return torch.empty(0, dtype=self.compute_dtype, device=self.device)
 
     def compute_shard(self) -> torch.Tensor:
-        """The shard AllGathered by `unshard`, in compute dtype."""
+        """The shard AllGathered by `unshard`, in compute dtype (the main shard itself in fp32)."""
+        return self.main_shard if self._compute_shard is None else self._compute_shard
+
+    def refresh_compute(self) -> None:
+        """After the optimizer stepped the fp32 main shard: refresh the half-precision copy."""
         if self.compute_dtype == torch.float32:
-            return self.main_shard
-        return self.main_shard.to(self.compute_dtype)
+            return
+        if self._compute_shard is None:
+            self._compute_shard = self.main_shard.to(self.compute_dtype)
+        else:
+            self._compute_shard.copy_(self.main_shard)
 
     # ---- unshard / reshard -------------------------------------------------------------------
 
@@ -137,23 +165,30 @@ class Unit:
         A parameter that got no gradient contributes zeros: every rank reduces every trainable unit
         exactly once per backward, so the collectives line up whatever the graph did.
         """
-        flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        reduce_dtype = self.policy.reduce
+        flat = torch.zeros(self.layout.padded_numel, dtype=reduce_dtype, device=self.device)
         for p, spec in zip(self.params, self.layout.specs, strict=True):
             if p.grad is not None:
                 flat[spec.offset : spec.offset + spec.numel].copy_(p.grad.reshape(-1))
                 p.grad = None
-        out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+        out = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=self.device)
         self.comm.engine.reduce_scatter(out, flat, self.comm.sharding, op=ReduceOp.AVG)
         if self.main_grad is None:
-            self.main_grad = out
+            self.main_grad = out.float() if reduce_dtype != torch.float32 else out
         else:
             self.main_grad.add_(out)
         self.reduced = True
 
     def finish_accumulation(self) -> None:
         """At the accumulation boundary: average the main grad over the replication group."""
-        if self.main_grad is not None and self.comm.replication.size > 1:
+        if self.main_grad is None or self.comm.replication.size == 1:
+            return
+        if self.policy.reduce == torch.float32:
             self.comm.engine.all_reduce(self.main_grad, self.comm.replication, op=ReduceOp.AVG)
+        else:
+            low = self.main_grad.to(self.policy.reduce)
+            self.comm.engine.all_reduce(low, self.comm.replication, op=ReduceOp.AVG)
+            self.main_grad.copy_(low)
 
     def begin_backward(self) -> None:
         self.grads_arrived = 0
@@ -175,6 +210,7 @@ class Unit:
             for sl in self.slices:
                 if sl.length and sl.spec.fqn in values:
                     self.main_shard[sl.local].copy_(values[sl.spec.fqn].reshape(-1)[sl.param])
+            self.refresh_compute()
             if self.state is UnitState.UNSHARDED and self._full is not None:
                 for p, spec in zip(self.params, self.layout.specs, strict=True):
                     if spec.fqn in values:

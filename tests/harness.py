@@ -211,9 +211,17 @@ class PoolCache:
         *args: Any,
         env: Mapping[str, str] | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
+        discard: bool = False,
         **kwargs: Any,
     ) -> list[Any]:
-        return self.get(world, env).run(fn, *args, timeout=timeout, **kwargs)
+        """`discard=True` closes the pool afterwards: for cases that leave the process group unusable
+        (e.g. a collective that one rank deliberately skipped)."""
+        pool = self.get(world, env)
+        try:
+            return pool.run(fn, *args, timeout=timeout, **kwargs)
+        finally:
+            if discard:
+                pool.close()
 
     def close(self) -> None:
         for pool in self._pools.values():

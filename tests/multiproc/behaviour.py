@@ -29,7 +29,7 @@ def schedule_case() -> dict[str, Any]:
     opt.step()
     step_records = [(r.op, r.group, r.bytes) for r in stats.begin_step()]
     unit_bytes = {u.name: u.layout.padded_numel * 4 for u in model.units}
-    persistent = sum(p.numel() for _, p in model.persistent) * 4
+    persistent = model.persistent.main.numel() * 4
     return {"micro": micro_records, "step": step_records, "unit_bytes": unit_bytes, "persistent": persistent}
 
 
@@ -54,7 +54,8 @@ def _model_state_tensors(model: Any, opt: Any) -> list[torch.Tensor | None]:
         out += [p.data, p.grad]
     out += list(model.module.buffers())
     for u in model.units:
-        out += [u.main_shard, u.main_grad, u._full]
+        out += [u.main_shard, u.main_grad, u._full, u._compute_shard]
+    out += [model.persistent.main, model.persistent.compute, model.persistent.main_grad]
     for group in opt.param_groups:
         for p in group["params"]:
             out += [p, p.grad]
@@ -70,7 +71,7 @@ def memory_case(sdp: int) -> dict[str, float]:
     numel = sum(p.numel() for p in module.parameters())
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())
     model = smp.DistributedModel(module)
-    persistent = sum(p.numel() for _, p in model.persistent)
+    persistent = model.persistent.main.numel()
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
     loss = model(**models.lm_batch(0, 2)).loss
     model.backward(loss)

@@ -1,0 +1,97 @@
+"""Persistent parameters: too small to shard (numel < sdp_param_persistence_threshold), replicated on
+every rank, gradients AllReduced over the rdp group once per accumulation boundary.
+
+Like a unit they keep an fp32 main copy and an fp32 main grad; in mixed precision the module sees a
+compute-dtype copy refreshed after each step. In fp32 the module's parameters *are* views of the
+main copy, so nothing is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from shardpar.collectives import Engine, Group, ReduceOp
+from shardpar.unit import set_param_data
+
+
+class PersistentParams:
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        *,
+        engine: Engine,
+        rdp: Group,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        device: torch.device,
+        materialize: Callable[[nn.Parameter], torch.Tensor],
+    ) -> None:
+        self.named = named
+        self.params = [p for _, p in named]
+        self.engine = engine
+        self.rdp = rdp
+        self.reduce_dtype = reduce_dtype
+        self.offsets: list[int] = []
+        total = 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.main = torch.zeros(total, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets, strict=True):
+                self.main[off : off + p.numel()].copy_(materialize(p).reshape(-1))
+        self.compute = self.main if compute_dtype == torch.float32 else self.main.to(compute_dtype)
+        for p, off in zip(self.params, self.offsets, strict=True):
+            set_param_data(p, self.compute[off : off + p.numel()].view(p.shape))
+        self.main_grad: torch.Tensor | None = None
+
+    def main_view(self, i: int) -> torch.Tensor:
+        p, off = self.params[i], self.offsets[i]
+        return self.main[off : off + p.numel()].view(p.shape)
+
+    def grad_view(self, i: int) -> torch.Tensor | None:
+        if self.main_grad is None:
+            return None
+        p, off = self.params[i], self.offsets[i]
+        return self.main_grad[off : off + p.numel()].view(p.shape)
+
+    def collect_grads(self) -> None:
+        """End of a backward: move the autograd grads into the fp32 main grad (summing micro-steps)."""
+        if not any(p.grad is not None for p in self.params):
+            return
+        if self.main_grad is None:
+            self.main_grad = torch.zeros_like(self.main)
+        for p, off in zip(self.params, self.offsets, strict=True):
+            if p.grad is not None:
+                self.main_grad[off : off + p.numel()].add_(p.grad.reshape(-1))
+                p.grad = None
+
+    def finish_accumulation(self) -> None:
+        """Accumulation boundary: average over the rdp group (one call for all persistent params)."""
+        if not self.params or not any(p.requires_grad for p in self.params):
+            return
+        if self.main_grad is None:
+            self.main_grad = torch.zeros_like(self.main)  # every rank must join the collective
+        if self.rdp.size == 1:
+            return
+        if self.reduce_dtype == torch.float32:
+            self.engine.all_reduce(self.main_grad, self.rdp, op=ReduceOp.AVG)
+        else:
+            low = self.main_grad.to(self.reduce_dtype)
+            self.engine.all_reduce(low, self.rdp, op=ReduceOp.AVG)
+            self.main_grad.copy_(low)
+
+    def refresh_compute(self) -> None:
+        """After the optimizer stepped the fp32 main copy: update the compute-dtype copy."""
+        if self.compute is not self.main:
+            self.compute.copy_(self.main)
+
+    def load(self, values: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for i, (name, _) in enumerate(self.named):
+                if name in values:
+                    self.main_view(i).copy_(values[name])
+        self.refresh_compute()

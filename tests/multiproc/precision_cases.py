@@ -1,0 +1,157 @@
+"""Cases for test_precision.py (bf16/fp16, loss scaling, overflow) and delayed initialization."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+import shardpar as smp
+from tests import models
+
+SHARD = {"sdp_param_persistence_threshold": 10, "sharded_data_parallel_degree": 2}
+
+
+def _train_curve(knobs: dict[str, Any], steps: int) -> dict[str, Any]:
+    smp.init({**SHARD, **knobs})
+    try:
+        model = smp.DistributedModel(models.tiny_neox())
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
+        rank, world = smp.rank(), smp.size()
+        batches = [models.lm_batch(i, 2 * world) for i in range(4)]  # a small set, seen repeatedly
+        curve, ag_bytes = [], 0
+        for step in range(steps):
+            smp.comm_stats().begin_step()
+            batch = batches[step % 4]
+            loss = model(**{k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}).loss
+            model.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            records = smp.comm_stats().begin_step()
+            if step == 0:
+                ag_bytes = sum(r.bytes for r in records if r.op == "all_gather")
+            curve.append(sum(smp.allgather(loss.item())) / world)
+        dtypes = sorted({str(p.dtype) for p in model.module.parameters()})
+        return {"curve": curve, "ag_bytes": ag_bytes, "param_dtypes": dtypes}
+    finally:
+        smp.shutdown()
+
+
+def bf16_vs_fp32_case(steps: int) -> dict[str, Any]:
+    return {
+        "fp32": _train_curve({}, steps),
+        "bf16": _train_curve({"bf16": True}, steps),
+        "bf16_reduce_bf16": _train_curve({"bf16": True, "sdp_reduce_dtype": "bf16"}, steps),
+    }
+
+
+def _snapshot(model: Any, opt: Any) -> list[torch.Tensor]:
+    tensors = [u.main_shard.clone() for u in model.units] + [model.persistent.main.clone()]
+    for state in opt.state.values():
+        tensors += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def fp16_overflow_case(steps: int, inject_every: int) -> dict[str, Any]:
+    """Inject an inf into one rank's gradient shard every `inject_every` steps."""
+    smp.init({**SHARD, "fp16": True})
+    model = smp.DistributedModel(models.tiny_neox())
+    opt = smp.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 2.0**8, "scale_window": 5, "min_scale": 1.0},
+    )
+    rank, world = smp.rank(), smp.size()
+    events: list[dict[str, Any]] = []
+    nan_in_params = False
+    for step in range(steps):
+        batch = models.lm_batch(step % 5, 2 * world)
+        loss = model(**{k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}).loss
+        model.backward(loss)
+        inject = step % inject_every == inject_every - 1
+        if inject and rank == 1:
+            model.units[1].main_grad[0] = float("inf")  # only this rank sees it
+        before = _snapshot(model, opt) if inject else None
+        scale_before = opt.loss_scaler.loss_scale
+        opt.step()
+        opt.zero_grad()
+        if before is not None:
+            after = _snapshot(model, opt)
+            untouched = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+            events.append(
+                {
+                    "step": step,
+                    "overflow": opt.overflow,
+                    "untouched": untouched,
+                    "scale_before": scale_before,
+                    "scale_after": opt.loss_scaler.loss_scale,
+                }
+            )
+        else:
+            events.append(
+                {
+                    "step": step,
+                    "overflow": opt.overflow,
+                    "scale_before": scale_before,
+                    "scale_after": opt.loss_scaler.loss_scale,
+                }
+            )
+        nan_in_params |= any(not torch.isfinite(u.main_shard).all() for u in model.units)
+        nan_in_params |= not bool(torch.isfinite(model.persistent.main).all())
+    return {
+        "events": events,
+        "nan": nan_in_params,
+        "scaler_state": opt.state_dict()["loss_scaler"],
+        "final_loss": float(loss.item()),
+    }
+
+
+def delayed_init_case() -> dict[str, Any]:
+    """A model built under smp.delay_param_initialization() equals the normal init, shard by shard."""
+    smp.init({**SHARD})
+    with smp.delay_param_initialization():
+        deferred = models.tiny_neox(seed=3)
+    meta_before = all(p.is_meta for p in deferred.parameters())
+    model = smp.DistributedModel(deferred)
+    no_full_params = all(p.numel() == 0 for u in model.units for p in u.params)
+    ours = model.state_dict()
+    reference = models.tiny_neox(seed=3).state_dict()
+    exact = all(torch.equal(ours[k], reference[k]) for k in reference)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    loss = model(**models.lm_batch(0, 2)).loss
+    model.backward(loss)
+    opt.step()
+    return {"meta_before": meta_before, "no_full": no_full_params, "exact": exact, "finite": math.isfinite(loss.item())}
+
+
+def init_empty_weights_case() -> dict[str, Any]:
+    """accelerate's init_empty_weights: materialised with each module's own reset_parameters (seeded
+    alike on every rank); a parameter whose module has no reset_parameters is a clear error."""
+    from accelerate import init_empty_weights
+    from torch import nn
+
+    smp.init({**SHARD})
+    with init_empty_weights():
+        module = nn.Sequential(nn.Linear(13, 16), nn.LayerNorm(16), nn.Linear(16, 5))
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = models.mlp_batch(0, 4)
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+    model.backward(loss)
+    opt.step()
+    full = model.state_dict()
+    same_on_ranks = smp.allgather(float(sum(v.double().sum() for v in full.values())))
+    with init_empty_weights():
+        bad = models.UnevenMLP()
+    try:
+        smp.DistributedModel(bad)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return {
+        "finite": math.isfinite(loss.item()),
+        "same": len(set(same_on_ranks)) == 1,
+        "nonzero": bool(full["0.weight"].abs().sum() > 0),
+        "error": error,
+    }
