@@ -28,6 +28,8 @@ from shardpar.api import (
     rdp_size,
     register_parameter,
     replica_rank,
+    resume_from_checkpoint,
+    save_checkpoint,
     sdp_rank,
     sdp_size,
     shutdown,
@@ -36,6 +38,7 @@ from shardpar.api import (
     tp_rank,
     tp_size,
 )
+from shardpar.checkpoint import CheckpointError
 from shardpar.config import Config
 from shardpar.step import StepOutput
 from shardpar.topology import Plan, Topology, plan
@@ -43,6 +46,7 @@ from shardpar.topology import Plan, Topology, plan
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CommGroup",
     "Config",
     "DistributedModel",
@@ -72,6 +76,8 @@ __all__ = [
     "rdp_size",
     "register_parameter",
     "replica_rank",
+    "resume_from_checkpoint",
+    "save_checkpoint",
     "sdp_rank",
     "sdp_size",
     "shutdown",

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardpar import checkpoint as _checkpoint
 from shardpar.collectives import CommStats, CountingEngine, Engine, Group, make_engine
 from shardpar.collectives.native import all_gather_object, broadcast_object
 from shardpar.config import Config
@@ -55,6 +56,7 @@ class _State:
     local_size: int
     device: torch.device
     model: _DistributedModel | None = None
+    optimizer: _DistributedOptimizer | None = None
 
 
 _STATE: _State | None = None
@@ -328,7 +330,9 @@ def DistributedOptimizer(
         dynamic_loss_scale=dynamic_loss_scale,
         dynamic_loss_args=dynamic_loss_args,
     )
-    return _DistributedOptimizer(optimizer, model, clip_norm=st.config.sdp_gradient_clipping, loss_scaler=scaler)
+    opt = _DistributedOptimizer(optimizer, model, clip_norm=st.config.sdp_gradient_clipping, loss_scaler=scaler)
+    st.optimizer = opt
+    return opt
 
 
 def step(fn: Callable[..., Any]) -> Callable[..., StepOutput]:
@@ -337,4 +341,62 @@ def step(fn: Callable[..., Any]) -> Callable[..., StepOutput]:
         fn,
         find_model=lambda: state().model,
         microbatches=lambda: state().config.microbatches,
+    )
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    tag: str,
+    partial: bool = True,
+    model: _DistributedModel | None = None,
+    optimizer: _DistributedOptimizer | None = None,
+    user_content: Any = None,
+    translate_if_full: bool = True,
+    num_kept_partial_checkpoints: int | None = None,
+) -> None:
+    """SMP v1 semantics: `partial=True` writes each shard once (replica 0), resumable under another
+    topology; `partial=False` writes a Hugging Face directory. Atomic: `newest` moves last."""
+    st = state()
+    model = model or st.model
+    if model is None:
+        raise ValueError("smp.save_checkpoint needs a model: call smp.DistributedModel(model) first")
+    _checkpoint.save_checkpoint(
+        path,
+        tag,
+        model=model,
+        optimizer=optimizer or st.optimizer,
+        topology=st.topology,
+        engine=st.engine,
+        partial=partial,
+        user_content=user_content,
+        translate_if_full=translate_if_full,
+        num_kept_partial_checkpoints=num_kept_partial_checkpoints,
+    )
+
+
+def resume_from_checkpoint(
+    path: str | os.PathLike[str],
+    tag: str | None = None,
+    partial: bool = True,
+    strict: bool = True,
+    load_optimizer: bool = True,
+) -> Any:
+    """Load the checkpoint `tag` (None: the newest) into the model and optimizer built before this
+    call, resharding when the topology changed; returns the saved user_content."""
+    st = state()
+    if st.model is None:
+        raise ValueError("smp.resume_from_checkpoint needs the DistributedModel (and optimizer) built first")
+    return _checkpoint.resume_from_checkpoint(
+        path,
+        tag,
+        model=st.model,
+        optimizer=st.optimizer,
+        topology=st.topology,
+        engine=st.engine,
+        partial=partial,
+        strict=strict,
+        load_optimizer=load_optimizer,
     )

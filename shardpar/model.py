@@ -27,6 +27,8 @@ from shardpar.deferred_init import is_deferred, materialize, materialize_by_rese
 from shardpar.layout import flat_layout
 from shardpar.persistent import PersistentParams
 from shardpar.precision import DtypePolicy
+from shardpar.reducer import GradReducer
+from shardpar.schedule import LiveCounter, Scheduler
 from shardpar.topology import Topology
 from shardpar.unit import Unit, UnitComm, UnitState
 from shardpar.units import UnitPlan, WrapPolicy, plan_units
@@ -85,7 +87,12 @@ class DistributedModel(nn.Module):
             device=self.device,
             materialize=materialize,
         )
+        self.live = LiveCounter()
         self.units = self._build_units(plans, materialize)
+        self.scheduler = Scheduler(self.units, cap=config.sdp_max_live_parameters, live=self.live)
+        self.reducer = GradReducer(
+            engine, topology.sharding, self.policy.reduce, config.sdp_reduce_bucket_size, self.device
+        )
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         self._link_dependencies(plans, registered or {})
         self._install_hooks()
@@ -102,11 +109,21 @@ class DistributedModel(nn.Module):
         return persistent
 
     def _build_units(self, plans: list[UnitPlan], materialize: Callable[[nn.Parameter], torch.Tensor]) -> list[Unit]:
+        node, cross = self.topology.groups["sharding_node"], self.topology.groups["sharding_cross"]
+        hierarchical = (
+            self.config.sdp_hierarchical_allgather
+            and self.topology.plan.spans_nodes
+            and node.size > 1
+            and cross.size > 1
+        )
         comm = UnitComm(
             engine=self.engine,
             sharding=self.topology.sharding,
             replication=self.topology.replication,
             shard_index=self.topology.coords.sdp_rank,
+            node=node if hierarchical else None,
+            cross=cross if hierarchical else None,
+            on_live_change=self.live,
         )
         units: list[Unit] = []
         for up in plans:
@@ -155,7 +172,10 @@ class DistributedModel(nn.Module):
 
     def _make_pre_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
-            unit.unshard("bwd" if _in_backward() else "fwd")
+            # During backward this is an activation-checkpoint recomputation: the unit belongs to
+            # its backward until its grads are reduced.
+            backward = _in_backward()
+            self.scheduler.require(unit, "bwd" if backward else "fwd", backward=backward)
 
         return hook
 
@@ -168,6 +188,8 @@ class DistributedModel(nn.Module):
                 self._register_pre_backward(unit, output)
             if not (is_root and records_graph):
                 unit.reshard("fwd")
+            if is_root and not _in_backward():
+                self.scheduler.end_forward()
             return None
 
         return hook
@@ -176,12 +198,13 @@ class DistributedModel(nn.Module):
         if not _in_backward():
             # A backward that raised never ran its end callback; a new forward starts clean.
             self._finalize_queued_for = None
+            self.scheduler.begin_forward()
 
     def _register_pre_backward(self, unit: Unit, output: Any) -> None:
         def on_grad(grad: torch.Tensor) -> None:
             self._queue_finalize()
             if not unit.reduced:
-                unit.unshard("bwd")
+                self.scheduler.require(unit, "bwd", backward=True)
 
         for t in _tensors(output):
             if t.requires_grad:
@@ -194,7 +217,7 @@ class DistributedModel(nn.Module):
             return  # persistent: reduced at the boundary
         unit.grads_arrived += 1
         if unit.grads_arrived == unit.num_trainable and not unit.has_frozen:
-            unit.reduce_grads()
+            self.reducer.add(unit)
             unit.reshard("bwd")
             unit.reshard("fwd")
 
@@ -212,7 +235,8 @@ class DistributedModel(nn.Module):
         self._finalize_queued_for = None
         for unit in self.units:
             if unit.num_trainable and not unit.reduced:
-                unit.reduce_grads()
+                self.reducer.add(unit)
+        self.reducer.drain()
         self.persistent.collect_grads()
         self.num_backward += 1
         if self.is_accumulation_boundary(self.num_backward - 1):
@@ -222,6 +246,32 @@ class DistributedModel(nn.Module):
         for unit in self.units:
             unit.holders.clear()
             unit.reshard("")
+        self.scheduler.end_backward()
+
+    def end_step(self) -> None:
+        """Called by the optimizer after each step: closes the step in the communication records."""
+        stats = getattr(self.engine, "stats", None)
+        if stats is not None:
+            stats.begin_step()
+
+    def comm_stats(self, step: int = -1) -> dict[tuple[str, str], dict[str, int]]:
+        """Calls and bytes per (collective, group kind) of a completed optimizer step (default: the
+        last one), e.g. {("all_gather", "sharding"): {"calls": 7, "bytes": 3552}, ...}."""
+        stats = getattr(self.engine, "stats", None)
+        if stats is None or not stats.history:
+            return {}
+        summary: dict[tuple[str, str], dict[str, int]] = stats.summarize(stats.history[step])
+        return summary
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """How many units ahead to gather (default 1; 0 turns prefetching off)."""
+        if depth < 0:
+            raise ValueError(f"prefetch depth {depth} must be >= 0")
+        self.scheduler.prefetch_depth = depth
+
+    def set_live_trace(self, enabled: bool) -> None:
+        """Record (unit, delta, live elements) at every gather and free, in `model.live.trace`."""
+        self.live.trace = [] if enabled else None
 
     # ---- accumulation -------------------------------------------------------------------------
 

@@ -137,6 +137,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.loss_scaler.update(self.overflow)
             if self.overflow:
                 self.model.loss_scale = self.loss_scaler.loss_scale
+                self.model.end_step()
                 return None
         self.last_grad_norm = self._unscale_and_clip(sq) if sq is not None else None
         self._attach_grads()
@@ -145,6 +146,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             unit.refresh_compute()
         self.model.persistent.refresh_compute()
         self.model.loss_scale = self.loss_scaler.loss_scale
+        self.model.end_step()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -158,6 +160,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             piece.grad = None
         for piece, _ in self._persistent_slots:
             piece.grad = None
+
+    def main_piece(self, p: torch.Tensor) -> nn.Parameter | None:
+        """The leaf the inner optimizer steps for original parameter `p` (its local main shard)."""
+        return self._main_piece.get(id(p))
 
     # ---- torch.optim surface ------------------------------------------------------------------
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardpar.collectives import Engine, Group, ReduceOp
+from shardpar.collectives import Engine, Group, ReduceOp, Work
+from shardpar.collectives.hierarchical import hierarchical_all_gather
 from shardpar.layout import FlatLayout, ParamSlice
 from shardpar.precision import DtypePolicy
 
@@ -38,17 +39,35 @@ def set_param_data(p: nn.Parameter, data: torch.Tensor) -> None:
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
+    UNSHARDING = "unsharding"  # AllGather issued, buffer allocated, not waited for yet
     UNSHARDED = "unsharded"
 
 
 @dataclass(frozen=True)
 class UnitComm:
-    """What a unit needs to communicate: the engine and its two groups."""
+    """What a unit needs to communicate: the engine, its groups, and how to AllGather."""
 
     engine: Engine
     sharding: Group
     replication: Group
     shard_index: int
+    # Set when the sharding group spans nodes and sdp_hierarchical_allgather is on.
+    node: Group | None = None
+    cross: Group | None = None
+    on_live_change: Callable[[Unit, int], None] | None = None  # (unit, +/- elements)
+
+    def gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool) -> Work:
+        if self.node is not None and self.cross is not None:
+            return hierarchical_all_gather(
+                self.engine,
+                output,
+                shard,
+                sharding=self.sharding,
+                node=self.node,
+                cross=self.cross,
+                async_op=async_op,
+            )
+        return self.engine.all_gather(output, shard, self.sharding, async_op=async_op)
 
 
 class Unit:
@@ -83,6 +102,7 @@ class Unit:
         self.holders: set[str] = set()
         self.deps: list[Unit] = []  # units whose parameters this unit's forward uses
         self._full: torch.Tensor | None = None
+        self._gather_work: Work | None = None
         self.num_trainable = sum(p.requires_grad for p in params)
         self.has_frozen = self.num_trainable != len(params)
         self.grads_arrived = 0
@@ -123,19 +143,36 @@ class Unit:
 
     # ---- unshard / reshard -------------------------------------------------------------------
 
-    def unshard(self, holder: str) -> None:
-        """AllGather the unit (if not already) and point every original parameter at its full view."""
+    def unshard(self, holder: str, *, async_op: bool = False) -> None:
+        """Add `holder`; AllGather the unit if nobody had it gathered. With `async_op` the gather only
+        starts: `wait_for_unshard` (called by the forward/backward hooks) finishes it."""
         for dep in self.deps:
-            dep.unshard(f"{holder}@{self.index}")
+            dep.unshard(f"{holder}@{self.index}", async_op=async_op)
         self.holders.add(holder)
-        if self.state is UnitState.UNSHARDED:
+        if self.state is UnitState.SHARDED:
+            if self.layout.numel == 0:
+                self.state = UnitState.UNSHARDED
+                return
+            full = self.comm.engine.alloc_buffer(self.layout.padded_numel, self.compute_dtype, self.device)
+            self._gather_work = self.comm.gather(full, self.compute_shard(), async_op=True)
+            self._full = full
+            self.state = UnitState.UNSHARDING
+            if self.comm.on_live_change is not None:
+                self.comm.on_live_change(self, self.layout.padded_numel)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish a started AllGather and point every original parameter at its full view."""
+        for dep in self.deps:
+            dep.wait_for_unshard()
+        if self.state is not UnitState.UNSHARDING:
             return
-        if self.layout.numel == 0:
-            self.state = UnitState.UNSHARDED
-            return
-        full = self.comm.engine.alloc_buffer(self.layout.padded_numel, self.compute_dtype, self.device)
-        self.comm.engine.all_gather(full, self.compute_shard(), self.comm.sharding)
-        self._full = full
+        if self._gather_work is None or self._full is None:
+            raise AssertionError(f"unit {self.name} is unsharding without a gather in flight")
+        self._gather_work.wait()
+        self._gather_work = None
+        full = self._full
         for p, spec in zip(self.params, self.layout.specs, strict=True):
             p.data = full[spec.offset : spec.offset + spec.numel].view(spec.shape)
         self.state = UnitState.UNSHARDED
@@ -148,36 +185,43 @@ class Unit:
                 dep.reshard(f"{holder}@{self.index}")
         if self.holders or self.state is UnitState.SHARDED:
             return
+        if self._gather_work is not None:
+            self._gather_work.wait()  # the engine may still be writing into the buffer
+            self._gather_work = None
         for p in self.params:
             p.data = self._empty(p)
+        if self._full is not None and self.comm.on_live_change is not None:
+            self.comm.on_live_change(self, -self.layout.padded_numel)
         self._full = None
         self.state = UnitState.SHARDED
 
     @property
     def num_live_elements(self) -> int:
-        return self.layout.padded_numel if self.state is UnitState.UNSHARDED else 0
+        return 0 if self.state is UnitState.SHARDED else self.layout.padded_numel
 
     # ---- gradients ---------------------------------------------------------------------------
 
-    def reduce_grads(self) -> None:
-        """ReduceScatter (average) the full grads into this rank's shard and add to the main grad.
+    def pack_grads(self, dtype: torch.dtype) -> torch.Tensor:
+        """The unit's gradients as a [num_shards, shard_numel] block (row r = shard r, zero padding and
+        zeros for parameters without a gradient), freeing the autograd grads.
 
-        A parameter that got no gradient contributes zeros: every rank reduces every trainable unit
-        exactly once per backward, so the collectives line up whatever the graph did.
+        Every rank reduces every trainable unit exactly once per backward, gradient or not, so the
+        collectives line up whatever the graph did.
         """
-        reduce_dtype = self.policy.reduce
-        flat = torch.zeros(self.layout.padded_numel, dtype=reduce_dtype, device=self.device)
+        n, width = self.layout.num_shards, self.layout.shard_numel
+        block = torch.zeros(n * width, dtype=dtype, device=self.device)
         for p, spec in zip(self.params, self.layout.specs, strict=True):
             if p.grad is not None:
-                flat[spec.offset : spec.offset + spec.numel].copy_(p.grad.reshape(-1))
+                block[spec.offset : spec.offset + spec.numel].copy_(p.grad.reshape(-1))
                 p.grad = None
-        out = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=self.device)
-        self.comm.engine.reduce_scatter(out, flat, self.comm.sharding, op=ReduceOp.AVG)
+        return block.view(n, width)
+
+    def accumulate_main_grad(self, reduced: torch.Tensor) -> None:
+        """Add one micro-step's reduced shard gradient (fp32 accumulation)."""
         if self.main_grad is None:
-            self.main_grad = out.float() if reduce_dtype != torch.float32 else out
+            self.main_grad = reduced.float() if reduced.dtype != torch.float32 else reduced.clone()
         else:
-            self.main_grad.add_(out)
-        self.reduced = True
+            self.main_grad.add_(reduced)
 
     def finish_accumulation(self) -> None:
         """At the accumulation boundary: average the main grad over the replication group."""
@@ -211,7 +255,8 @@ class Unit:
                 if sl.length and sl.spec.fqn in values:
                     self.main_shard[sl.local].copy_(values[sl.spec.fqn].reshape(-1)[sl.param])
             self.refresh_compute()
-            if self.state is UnitState.UNSHARDED and self._full is not None:
+            if self.state is not UnitState.SHARDED and self._full is not None:
+                self.wait_for_unshard()
                 for p, spec in zip(self.params, self.layout.specs, strict=True):
                     if spec.fqn in values:
                         p.data.copy_(values[spec.fqn].view(spec.shape))

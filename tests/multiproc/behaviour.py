@@ -15,8 +15,9 @@ SHARD = {"sdp_param_persistence_threshold": 10}
 
 
 def schedule_case() -> dict[str, Any]:
-    """MLP, world 4, sdp 2, accumulation 2: the exact collective schedule of one optimizer step."""
-    smp.init({**SHARD, "sharded_data_parallel_degree": 2})
+    """MLP, world 4, sdp 2, accumulation 2, one unit per reduce bucket: the exact collective schedule
+    of one optimizer step, prefetch included."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, "sdp_reduce_bucket_size": 1})
     model = smp.DistributedModel(models.UnevenMLP(), backward_passes_per_step=2)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
     stats = smp.comm_stats()
@@ -26,8 +27,9 @@ def schedule_case() -> dict[str, Any]:
         batch = models.mlp_batch(micro, 4)
         model.backward(model(**batch) / 2)
         micro_records.append([(r.op, r.group, r.bytes) for r in stats.begin_step()])
-    opt.step()
-    step_records = [(r.op, r.group, r.bytes) for r in stats.begin_step()]
+    stats.begin_step()
+    opt.step()  # closes its own step in the records
+    step_records = [(r.op, r.group, r.bytes) for r in stats.history[-1]]
     unit_bytes = {u.name: u.layout.padded_numel * 4 for u in model.units}
     persistent = model.persistent.main.numel() * 4
     return {"micro": micro_records, "step": step_records, "unit_bytes": unit_bytes, "persistent": persistent}

@@ -14,11 +14,12 @@ def test_exact_schedule_with_accumulation(ranks) -> None:
     res = ranks.run(4, behaviour.schedule_case)[0]
     ub = res["unit_bytes"]
     blocks = ["blocks.0", "blocks.1", "blocks.2"]
-    fwd = [("all_gather", "sharding", ub[n]) for n in ["<root>", *blocks]]
-    bwd = []
-    for n in reversed(blocks):  # root stays gathered from forward into backward
-        bwd += [("all_gather", "sharding", ub[n]), ("reduce_scatter", "sharding", ub[n])]
-    bwd.append(("reduce_scatter", "sharding", ub["<root>"]))
+    ag = {n: ("all_gather", "sharding", ub[n]) for n in ub}
+    rs = {n: ("reduce_scatter", "sharding", ub[n]) for n in ub}
+    fwd = [ag["<root>"], ag["blocks.0"], ag["blocks.1"], ag["blocks.2"]]
+    # Backward: the root stays gathered from forward; each unit's pre-backward prefetches the next
+    # unit (depth 1) before its own ReduceScatter is issued.
+    bwd = [ag["blocks.2"], ag["blocks.1"], rs["blocks.2"], ag["blocks.0"], rs["blocks.1"], rs["blocks.0"], rs["<root>"]]
     assert res["micro"][0] == fwd + bwd, "first micro-step: no replication AllReduce"
     boundary = [("all_reduce", "replication", ub[n] // 2) for n in ["<root>", *blocks]]  # the shard
     boundary.append(("all_reduce", "rdp", res["persistent"]))

@@ -1,0 +1,231 @@
+"""save_checkpoint / resume_from_checkpoint (SageMaker model-parallel v1 semantics), resharding on load,
+atomic writes, Hugging Face export. See docs/checkpoints.md.
+
+    <path>/
+        newest              tag of the newest partial checkpoint (moved last, atomically)
+        newest_full         tag of the newest full checkpoint
+        <tag>_partial/      partial=True: index.json + safetensors pieces (index.py)
+        <tag>/              partial=False: a Hugging Face model directory (full.py)
+        .tmp-<tag>-<id>/    a save in progress, or one that crashed (removed by the next save)
+
+The facade (`smp.save_checkpoint`, `smp.resume_from_checkpoint`) passes the model, optimizer,
+topology and engine of `smp.init()`; these functions take them explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardpar.checkpoint import atomic
+from shardpar.checkpoint import full as _full
+from shardpar.checkpoint import index as ix
+from shardpar.checkpoint import partial as _partial
+from shardpar.checkpoint import reshard as _reshard
+from shardpar.checkpoint.atomic import Coordinator
+from shardpar.checkpoint.safetensors_io import CheckpointError, check_file
+from shardpar.collectives import Engine
+from shardpar.model import DistributedModel
+from shardpar.optimizer import DistributedOptimizer
+from shardpar.topology import Topology
+
+__all__ = ["CheckpointError", "load_consolidated", "resume_from_checkpoint", "save_checkpoint"]
+
+PathLike = str | os.PathLike[str]
+
+
+def _check_topology(topology: Topology) -> None:
+    if topology.plan.tp > 1:
+        raise ValueError(
+            f"checkpoints with tensor_parallel_degree={topology.plan.tp} are not supported yet; "
+            "save with tensor_parallel_degree=1"
+        )
+
+
+def save_checkpoint(
+    path: PathLike,
+    tag: str,
+    *,
+    model: DistributedModel,
+    optimizer: DistributedOptimizer | None = None,
+    topology: Topology,
+    engine: Engine,
+    partial: bool = True,
+    user_content: Any = None,
+    translate_if_full: bool = True,
+    num_kept_partial_checkpoints: int | None = None,
+    max_shard_size: int | None = None,
+    full_dtype: torch.dtype | None = None,
+) -> Path:
+    """Save under `path` (a collective: every rank calls it); the finished checkpoint directory.
+
+    partial=True: every shard once (replica 0 writes), optimizer state, loss scaler, RNG and
+    `user_content` (JSON, tuples, tensors; rank 0's value), resumable under any topology; keeps the
+    `num_kept_partial_checkpoints` newest partial checkpoints when set. partial=False: the
+    consolidated model as a Hugging Face directory (config.json when `translate_if_full` and the
+    model is a PreTrainedModel); `max_shard_size` (bytes) splits it into HF's sharded layout and
+    `full_dtype` casts it (default fp32). Nothing is visible under the final name until every rank
+    finished; a crash leaves the previous checkpoint and the `newest` pointer untouched.
+    """
+    atomic.check_tag(tag)
+    _check_topology(topology)
+    if num_kept_partial_checkpoints is not None and num_kept_partial_checkpoints < 1:
+        raise ValueError(
+            f"num_kept_partial_checkpoints={num_kept_partial_checkpoints} must be >= 1 (or None: keep all)"
+        )
+    if max_shard_size is not None and max_shard_size < 1:
+        raise ValueError(f"max_shard_size={max_shard_size} must be a positive number of bytes (or None: one file)")
+    root, coord = Path(path), Coordinator(topology, engine)
+
+    def prepare() -> tuple[str, str, Any]:
+        content = ix.encode(user_content, where="user_content")  # before any file exists
+        tmp, checkpoint_id = atomic.make_tmp_dir(root, tag)
+        return tmp, checkpoint_id, content
+
+    tmp, checkpoint_id, content = coord.on_root("save_checkpoint: preparing", prepare)
+    try:
+        if partial:
+            return _save_partial(
+                coord, root, tag, Path(tmp), checkpoint_id, content, model, optimizer, num_kept_partial_checkpoints
+            )
+        return _save_full(
+            coord, root, tag, Path(tmp), checkpoint_id, content, model, translate_if_full, max_shard_size, full_dtype
+        )
+    except BaseException:
+        if coord.is_root and Path(tmp).exists():
+            atomic.remove_dir(Path(tmp))
+        raise
+
+
+def _save_partial(
+    coord: Coordinator,
+    root: Path,
+    tag: str,
+    tmp: Path,
+    checkpoint_id: str,
+    content: Any,
+    model: DistributedModel,
+    optimizer: DistributedOptimizer | None,
+    num_kept: int | None,
+) -> Path:
+    job = _partial.SaveJob(root, tag, tmp, checkpoint_id, content, model, optimizer, num_kept)
+    job.reports = coord.gather(
+        "save_checkpoint: writing shards", lambda: _partial.write_rank_file(tmp, checkpoint_id, model, optimizer)
+    )
+    return Path(coord.on_root("save_checkpoint: committing", job.commit))
+
+
+def _save_full(
+    coord: Coordinator,
+    root: Path,
+    tag: str,
+    tmp: Path,
+    checkpoint_id: str,
+    content: Any,
+    model: DistributedModel,
+    translate: bool,
+    max_shard_size: int | None,
+    dtype: torch.dtype | None,
+) -> Path:
+    items = _full.plan_items(model, dtype)
+    files = _full.split_files(items, max_shard_size)
+    sink = _full.Sink(tmp, files, {"format": "pt", "checkpoint_id": checkpoint_id}) if coord.is_root else None
+
+    def stream() -> None:
+        if model.topology.coords.replica == 0:
+            _full.stream_units(model, items, sink)
+        if sink is not None:
+            sink.finish()
+
+    coord.gather("save_checkpoint(partial=False): writing", stream)
+
+    def commit() -> str:
+        if sink is None:
+            raise AssertionError("commit runs on rank 0")
+        sizes = sink.finish()
+        if len(files) > 1:
+            atomic.write_json(tmp / _full.HF_INDEX, _full.hf_index(files))
+        if translate:
+            _full.write_hf_config(model.module, tmp, dtype or torch.float32)
+        atomic.write_json(tmp / _full.MANIFEST, _full.manifest(tag, checkpoint_id, sizes, content, model))
+        final = root / tag
+        atomic.publish_dir(tmp, final)
+        atomic.write_text_atomic(root / "newest_full", tag)
+        return str(final)
+
+    return Path(coord.on_root("save_checkpoint(partial=False): committing", commit))
+
+
+def resume_from_checkpoint(
+    path: PathLike,
+    tag: str | None = None,
+    *,
+    model: DistributedModel,
+    optimizer: DistributedOptimizer | None = None,
+    topology: Topology,
+    engine: Engine,
+    partial: bool = True,
+    strict: bool = True,
+    load_optimizer: bool = True,
+) -> Any:
+    """Load a checkpoint into the (already built) model and optimizer; returns its user_content.
+
+    tag None reads the `newest` pointer (`newest_full` with partial=False). Every file this rank
+    needs is checked against the index first (present, complete, same checkpoint, same tensors) and
+    the ranks agree before anything is loaded: a bad checkpoint raises CheckpointError naming the
+    file and the problem on every rank, leaving model and optimizer untouched. The RNG state is
+    restored when the world size is unchanged. A full checkpoint restores the model only.
+    """
+    _check_topology(topology)
+    root, coord = Path(path), Coordinator(topology, engine)
+    if partial:
+        job: _reshard.LoadJob | None = None
+
+        def check() -> None:
+            nonlocal job
+            name = tag if tag is not None else atomic.read_pointer(root, "newest")
+            job = _reshard.LoadJob(
+                root / f"{name}{ix.PARTIAL_SUFFIX}", model, optimizer, strict, load_optimizer, world=topology.plan.world
+            )
+            job.check()
+
+        coord.gather("resume_from_checkpoint", check)
+        if job is None:
+            raise AssertionError("checked load job missing")
+        return job.apply()
+    load: _full.FullLoad | None = None
+
+    def check_full() -> None:
+        nonlocal load
+        name = tag if tag is not None else atomic.read_pointer(root, "newest_full")
+        load = _full.FullLoad.check(root / name, model, strict)
+
+    coord.gather("resume_from_checkpoint(partial=False)", check_full)
+    if load is None:
+        raise AssertionError("checked full load missing")
+    return load.apply()
+
+
+def load_consolidated(path: PathLike, tag: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Offline, one process: (name, full tensor) of every parameter and buffer of a partial checkpoint.
+
+    The conversion ZeRO-3 users run by hand, needed here only to leave shardpar: `dict(...)` of it
+    is the unwrapped model's state_dict (tied parameters under their first name).
+    """
+    root = Path(path)
+    name = tag if tag is not None else atomic.read_pointer(root, "newest")
+    directory = root / f"{name}{ix.PARTIAL_SUFFIX}"
+    index = ix.read_index(directory)
+    for file in sorted(index["files"]):
+        check_file(
+            directory / file,
+            label=f"{directory}/{file}",
+            expect_bytes=int(index["files"][file]["bytes"]),
+            expect_tensors=ix.file_expectations(index, file),
+            expect_metadata={"checkpoint_id": index["checkpoint_id"]},
+        )
+    return _reshard.consolidated(directory)

@@ -1,0 +1,202 @@
+"""The partial checkpoint's JSON index: value encoding, piece arithmetic and structural checks (pure).
+
+    <tag>_partial/
+        index.json               this file's schema (below); written last, inside the temporary dir
+        shard-00000.safetensors  rank 0 (replica 0): its pieces of every sharded parameter, plus the
+                                 persistent parameters and buffers (written once)
+        shard-00001.safetensors  rank 1, if it is in replica 0; other replicas write nothing
+        rng.safetensors          every rank's RNG state (gathered to rank 0)
+
+A sharded parameter is stored as the pieces its writers own: piece (file, start, length) holds flat
+elements [start, start + length) of the flattened parameter under `param/<fqn>`, and the optimizer
+state of those elements under `optim/<state name>/<fqn>`. Any reader topology rebuilds its own
+slices from the pieces by offset arithmetic (`overlaps`), reading only the ranges it needs.
+
+    index.json = {format, version, tag, checkpoint_id, saved_at_ns, step, num_backward,
+                  topology: {world, tp, sdp, ranks_per_node},
+                  files:   {name: {bytes, tensors: {key: [dtype, shape]}}},
+                  params:  {fqn: {shape, dtype, pieces: [[file, start, length], ...]}},
+                  buffers: {name: {file, dtype, shape}},
+                  optimizer: null | {class, param_groups: [{params: [fqn...], options}],
+                                     state: {fqn: {tensors: {name: dtype}, scalars: {name: value}}}},
+                  loss_scaler, rng: {file, world}, user_content}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name, dtype_of
+
+FORMAT = "shardpar.partial"
+VERSION = 1
+INDEX_NAME = "index.json"
+RNG_FILE = "rng.safetensors"
+PARTIAL_SUFFIX = "_partial"
+
+
+def shard_file(rank: int) -> str:
+    return f"shard-{rank:05d}.safetensors"
+
+
+def param_key(fqn: str) -> str:
+    return f"param/{fqn}"
+
+
+def state_key(name: str, fqn: str) -> str:
+    return f"optim/{name}/{fqn}"
+
+
+def buffer_key(name: str) -> str:
+    return f"buffer/{name}"
+
+
+def rng_key(kind: str, rank: int) -> str:
+    return f"rng/{kind}/{rank}"
+
+
+# ---- JSON values (no pickle: a checkpoint can never execute code) -------------------------------
+
+
+def encode(value: Any, *, where: str) -> Any:
+    """A JSON-able form of `value` that `decode` turns back into the same types.
+
+    Plain JSON stays as is; tuples and (small) tensors are tagged so they round-trip exactly.
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu()
+        return {"__tensor__": t.tolist(), "dtype": dtype_name(t.dtype), "on_device": value.device.type != "cpu"}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v, where=where) for v in value]}
+    if isinstance(value, list):
+        return [encode(v, where=where) for v in value]
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{where}: dict key {bad[0]!r} is not a string; checkpoints store JSON (no pickle)")
+        if "__tensor__" in value or "__tuple__" in value:
+            raise TypeError(f"{where}: keys '__tensor__' / '__tuple__' are reserved")
+        return {k: encode(v, where=f"{where}.{k}") for k, v in value.items()}
+    raise TypeError(
+        f"{where}: a {type(value).__name__} cannot be stored; checkpoints hold JSON values, tuples and tensors "
+        "only (no pickle, so loading can never execute code)"
+    )
+
+
+def decode(obj: Any, *, device: torch.device | None = None) -> Any:
+    if isinstance(obj, list):
+        return [decode(v, device=device) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        t = torch.tensor(obj["__tensor__"], dtype=dtype_of(obj["dtype"]))
+        return t.to(device) if obj.get("on_device") and device is not None else t
+    if "__tuple__" in obj:
+        return tuple(decode(v, device=device) for v in obj["__tuple__"])
+    return {k: decode(v, device=device) for k, v in obj.items()}
+
+
+# ---- pieces ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    file: str
+    start: int
+    length: int
+
+
+def pieces_of(index: dict[str, Any], fqn: str) -> list[Piece]:
+    return [Piece(str(f), int(s), int(n)) for f, s, n in index["params"][fqn]["pieces"]]
+
+
+def overlaps(pieces: list[Piece], start: int, length: int) -> Iterator[tuple[Piece, int, int]]:
+    """(piece, lo, hi): the part [lo, hi) of the wanted range [start, start + length) each piece holds."""
+    end = start + length
+    for p in pieces:
+        lo, hi = max(start, p.start), min(end, p.start + p.length)
+        if lo < hi:
+            yield p, lo, hi
+
+
+def numel_of(shape: list[int] | tuple[int, ...]) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+# ---- reading and checking ---------------------------------------------------------------------------
+
+
+def read_index(directory: Path) -> dict[str, Any]:
+    path = directory / INDEX_NAME
+    label = f"{directory}/{INDEX_NAME}"
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory is missing")
+    if not path.is_file():
+        raise CheckpointError(f"{label}: file is missing (the save never completed?)")
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{label}: not valid JSON ({e}); the file is truncated or corrupt") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CheckpointError(f"{label}: not a shardpar partial checkpoint index (format {FORMAT!r} expected)")
+    if index.get("version") != VERSION:
+        raise CheckpointError(f"{label}: index version {index.get('version')!r}; this shardpar reads {VERSION}")
+    check_index(index, label)
+    return index
+
+
+def _expect(cond: bool, label: str, problem: str) -> None:
+    if not cond:
+        raise CheckpointError(f"{label}: {problem}")
+
+
+def check_index(index: dict[str, Any], label: str) -> None:
+    """Every piece covers its parameter exactly once and names a tensor the file table lists."""
+    try:
+        _check_index(index, label)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{label}: malformed index ({type(e).__name__}: {e})") from None
+
+
+def _check_index(index: dict[str, Any], label: str) -> None:
+    files = index["files"]
+    state = (index.get("optimizer") or {}).get("state", {})
+    for fqn, entry in index["params"].items():
+        numel, pos = numel_of(entry["shape"]), 0
+        for piece in sorted(pieces_of(index, fqn), key=lambda p: p.start):
+            _expect(piece.start == pos, label, f"parameter {fqn!r}: elements [{pos}, {piece.start}) have no piece")
+            _expect(piece.file in files, label, f"parameter {fqn!r}: piece file {piece.file!r} is not in 'files'")
+            tensors = files[piece.file]["tensors"]
+            wanted = {param_key(fqn): entry["dtype"]}
+            wanted.update({state_key(k, fqn): d for k, d in state.get(fqn, {}).get("tensors", {}).items()})
+            for key, dtype in wanted.items():
+                got = tensors.get(key)
+                _expect(
+                    got is not None and got[0] == dtype and list(got[1]) == [piece.length],
+                    label,
+                    f"{piece.file} should hold {key!r} as {dtype} [{piece.length}], the table says {got}",
+                )
+            pos += piece.length
+        _expect(pos == numel, label, f"parameter {fqn!r}: pieces cover {pos} of {numel} elements")
+    for name, entry in index["buffers"].items():
+        got = files.get(entry["file"], {}).get("tensors", {}).get(buffer_key(name))
+        _expect(got is not None, label, f"buffer {name!r}: {entry['file']!r} does not list it")
+    rng = index.get("rng")
+    if rng:
+        _expect(rng["file"] in files, label, f"RNG file {rng['file']!r} is not in 'files'")
+
+
+def file_expectations(index: dict[str, Any], name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    entry = index["files"][name]
+    return {k: (str(v[0]), tuple(int(d) for d in v[1])) for k, v in entry["tensors"].items()}

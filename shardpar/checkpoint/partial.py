@@ -1,0 +1,177 @@
+"""Partial checkpoints, the save side: every shard written exactly once (see index.py for the layout).
+
+Ranks of replica 0 write their pieces of every sharded parameter (fp32 main shard) and the optimizer
+state of those elements; rank 0 adds the persistent parameters, buffers and every rank's RNG state;
+the other replicas write nothing. Optimizer state is keyed by parameter FQN, never by position:
+per-element tensors (Adam's exp_avg, exp_avg_sq, SGD's momentum_buffer, ...) are cut like the
+parameter, scalars (`step`) go to the JSON. Loading is reshard.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardpar.checkpoint import atomic
+from shardpar.checkpoint import index as ix
+from shardpar.checkpoint.pieces import fqn_of_piece, persistent_buffers, piece_of, slots, split_state
+from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name, write_tensors
+from shardpar.model import DistributedModel
+from shardpar.optimizer import DistributedOptimizer
+
+
+def _rng_report() -> dict[str, bytes | None]:
+    cuda = torch.cuda.get_rng_state().numpy().tobytes() if torch.cuda.is_available() else None
+    return {"torch": torch.get_rng_state().numpy().tobytes(), "cuda": cuda}
+
+
+def write_rank_file(
+    tmp: Path, checkpoint_id: str, model: DistributedModel, optimizer: DistributedOptimizer | None
+) -> dict[str, Any]:
+    """Write this rank's file (replica 0 and rank 0 only); a JSON-able report for the index."""
+    coords = model.topology.coords
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[int]] = {}
+    state_meta: dict[str, dict[str, Any]] = {}
+    for slot in slots(model):
+        if (slot.sharded and coords.replica != 0) or (not slot.sharded and coords.rank != 0):
+            continue
+        piece = piece_of(optimizer, slot.param) if optimizer is not None else None
+        state = optimizer.optimizer.state.get(piece) if optimizer is not None and piece is not None else None
+        per_element, scalars = split_state(slot, state) if state else ({}, {})
+        if state:
+            state_meta[slot.fqn] = {
+                "tensors": {k: dtype_name(v.dtype) for k, v in per_element.items()},
+                "scalars": scalars,
+            }
+        if slot.length:
+            pieces[slot.fqn] = [slot.start, slot.length]
+            tensors[ix.param_key(slot.fqn)] = slot.value.reshape(-1)
+            for k, v in per_element.items():
+                tensors[ix.state_key(k, slot.fqn)] = v.reshape(-1)
+    if coords.rank == 0:
+        for name, buf in persistent_buffers(model).items():
+            tensors[ix.buffer_key(name)] = buf
+    report: dict[str, Any] = {"pieces": pieces, "state": state_meta, "rng": _rng_report(), "file": None}
+    if tensors:
+        name = ix.shard_file(coords.rank)
+        size = write_tensors(tmp / name, tensors, {"checkpoint_id": checkpoint_id, "format": "pt"})
+        table = {k: [dtype_name(t.dtype), list(t.shape)] for k, t in tensors.items()}
+        report["file"] = {"name": name, "bytes": size, "tensors": table}
+    return report
+
+
+@dataclass
+class SaveJob:
+    root: Path
+    tag: str
+    tmp: Path
+    checkpoint_id: str
+    user_content: Any  # already encoded
+    model: DistributedModel
+    optimizer: DistributedOptimizer | None
+    num_kept: int | None
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def final(self) -> Path:
+        return self.root / f"{self.tag}{ix.PARTIAL_SUFFIX}"
+
+    def commit(self) -> str:
+        """Rank 0, after every rank wrote: RNG file, index, rename, `newest` pointer, pruning."""
+        rng = {
+            ix.rng_key(kind, r): torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            for r, rep in enumerate(self.reports)
+            for kind, data in rep["rng"].items()
+            if data is not None
+        }
+        files = {
+            rep["file"]["name"]: {k: v for k, v in rep["file"].items() if k != "name"}
+            for rep in self.reports
+            if rep["file"]
+        }
+        size = write_tensors(self.tmp / ix.RNG_FILE, rng, {"checkpoint_id": self.checkpoint_id, "format": "pt"})
+        files[ix.RNG_FILE] = {"bytes": size, "tensors": {k: ["U8", list(t.shape)] for k, t in rng.items()}}
+        index = self.build_index(files)
+        ix.check_index(index, f"{self.final}/{ix.INDEX_NAME} (while saving)")
+        atomic.write_json(self.tmp / ix.INDEX_NAME, index)
+        atomic.publish_dir(self.tmp, self.final)
+        atomic.write_text_atomic(self.root / "newest", self.tag)
+        if self.num_kept is not None:
+            prune(self.root, keep=self.num_kept, protect=self.final)
+        return str(self.final)
+
+    def build_index(self, files: dict[str, Any]) -> dict[str, Any]:
+        model, plan = self.model, self.model.topology.plan
+        params: dict[str, Any] = {}
+        for slot in slots(model):
+            params[slot.fqn] = {"shape": list(slot.full_shape), "dtype": dtype_name(slot.value.dtype), "pieces": []}
+        for rep in self.reports:
+            for fqn, (start, length) in rep["pieces"].items():
+                params[fqn]["pieces"].append([rep["file"]["name"], start, length])
+        for entry in params.values():
+            entry["pieces"].sort(key=lambda p: p[1])
+        buffers = {
+            n: {"file": ix.shard_file(0), "dtype": dtype_name(b.dtype), "shape": list(b.shape)}
+            for n, b in persistent_buffers(model).items()
+        }
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        return {
+            "format": ix.FORMAT,
+            "version": ix.VERSION,
+            "tag": self.tag,
+            "checkpoint_id": self.checkpoint_id,
+            "saved_at_ns": time.time_ns(),
+            "step": self._step(),
+            "num_backward": model.num_backward,
+            "topology": {"world": plan.world, "tp": plan.tp, "sdp": plan.sdp, "ranks_per_node": plan.ranks_per_node},
+            "files": files,
+            "params": params,
+            "buffers": buffers,
+            "optimizer": self._optimizer_entry(),
+            "loss_scaler": scaler.state_dict() if scaler is not None and hasattr(scaler, "state_dict") else None,
+            "rng": {"file": ix.RNG_FILE, "world": plan.world},
+            "user_content": self.user_content,
+        }
+
+    def _optimizer_entry(self) -> dict[str, Any] | None:
+        if self.optimizer is None:
+            return None
+        fqn_of = fqn_of_piece(self.model, self.optimizer)
+        groups = [
+            {
+                "params": [fqn_of[id(p)] for p in g["params"]],
+                "options": ix.encode({k: v for k, v in g.items() if k != "params"}, where="optimizer param group"),
+            }
+            for g in self.optimizer.param_groups
+        ]
+        state: dict[str, Any] = {}
+        for rep in self.reports:  # first writer in rank order wins; writers of one parameter agree
+            for fqn, meta in rep["state"].items():
+                state.setdefault(fqn, meta)
+        return {"class": type(self.optimizer.optimizer).__name__, "param_groups": groups, "state": state}
+
+    def _step(self) -> int | None:
+        """The optimizer's step count where its state keeps one (`step`, as Adam does); informative."""
+        steps = [ix.decode(m["scalars"].get("step")) for rep in self.reports for m in rep["state"].values()]
+        numbers = [float(s) for s in steps if isinstance(s, (int, float, torch.Tensor)) and not isinstance(s, bool)]
+        return int(max(numbers)) if numbers else None
+
+
+def prune(root: Path, *, keep: int, protect: Path) -> None:
+    """Delete all but the `keep` newest partial checkpoints in `root` (by their save time)."""
+    found = []
+    for d in root.iterdir():
+        if d.is_dir() and d.name.endswith(ix.PARTIAL_SUFFIX) and not d.name.startswith("."):
+            try:
+                found.append((int(ix.read_index(d)["saved_at_ns"]), d))
+            except CheckpointError:
+                continue  # not ours, or damaged: never delete what we cannot identify
+    found.sort(reverse=True)
+    for _, d in found[keep:]:
+        if d != protect:
+            atomic.remove_dir(d)

@@ -1,0 +1,80 @@
+"""Where each original parameter lives on this rank, as the checkpoint code sees it (no I/O here).
+
+A *slot* is one original parameter on this rank: the flat element range [start, start + length) it
+holds of the flattened parameter (all of it for a persistent parameter), its fp32 main values, and
+the optimizer piece (DistributedOptimizer's main piece) whose state belongs to those elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardpar.checkpoint import index as ix
+from shardpar.model import DistributedModel
+from shardpar.optimizer import DistributedOptimizer
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one original parameter lives on this rank: its optimizer piece and flat element range."""
+
+    fqn: str
+    param: nn.Parameter
+    start: int
+    length: int
+    shape: tuple[int, ...]  # the piece's shape: (length,) when sharded, the parameter's when persistent
+    value: torch.Tensor  # this rank's fp32 main values (a view)
+    sharded: bool
+    full_shape: tuple[int, ...]  # the original parameter's (its .data is empty while sharded)
+
+
+def slots(model: DistributedModel) -> list[Slot]:
+    out = []
+    for unit in model.units:
+        for p, sl in zip(unit.params, unit.slices, strict=True):
+            value = unit.main_shard[sl.local]
+            out.append(Slot(sl.spec.fqn, p, sl.param_start, sl.length, (sl.length,), value, True, sl.spec.shape))
+    for i, (name, p) in enumerate(model.persistent.named):
+        value = model.persistent.main_view(i)
+        out.append(Slot(name, p, 0, p.numel(), tuple(p.shape), value, False, tuple(p.shape)))
+    return out
+
+
+def persistent_buffers(model: DistributedModel) -> dict[str, torch.Tensor]:
+    """Buffers that belong in a state dict (non-persistent ones are rebuilt by the model)."""
+    keys = set(model.module.state_dict(keep_vars=True))
+    return {n: b for n, b in model.module.named_buffers() if n in keys}
+
+
+def piece_of(optimizer: DistributedOptimizer, p: nn.Parameter) -> nn.Parameter | None:
+    return optimizer.main_piece(p)
+
+
+def split_state(slot: Slot, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(per-element tensors, JSON scalars) of one piece's optimizer state."""
+    per_element, scalars = {}, {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if tuple(v.shape) != slot.shape:
+                raise ValueError(
+                    f"optimizer state {k!r} of {slot.fqn!r} has shape {tuple(v.shape)}, not the parameter piece's "
+                    f"{slot.shape}; only per-element and scalar optimizer state can be checkpointed and resharded"
+                )
+            per_element[k] = v
+        else:
+            scalars[k] = ix.encode(v, where=f"optimizer state {k!r} of {slot.fqn!r}")
+    return per_element, scalars
+
+
+def fqn_of_piece(model: DistributedModel, optimizer: DistributedOptimizer) -> dict[int, str]:
+    """id(optimizer piece) -> the parameter's FQN (tied parameters: their first name)."""
+    out = {}
+    for name, p in model.module.named_parameters():
+        piece = piece_of(optimizer, p)
+        if piece is not None:
+            out[id(piece)] = name
+    return out

@@ -1,0 +1,132 @@
+"""Prefetch under the live-parameter cap (reference 003: "prefetches the upcoming layers ... overlaps
+the network communication with the computation"; `sdp_max_live_parameters`).
+
+The unit order of forward and of backward is recorded as it happens and replayed as a prediction
+on the next pass: when unit i starts, the AllGather of the unit predicted after it is issued
+asynchronously (holder "prefetch") and runs on the engine's thread (gloo) or stream (NCCL) while i
+computes. A wrong prediction (another branch, eval, generate) costs only the wasted gather: the
+unit actually needed is gathered on demand, stale prefetches are dropped at the end of the pass,
+and the new order replaces the old one -- there is no trace to invalidate.
+
+[Note: live cap]
+Unsharded elements (gathered or in flight) never exceed `sdp_max_live_parameters`:
+  * a prefetch is issued only if it fits;
+  * a required gather first evicts prefetched-only units; if the units that must be alive at once
+    (the root, which stays gathered through forward, plus the current unit and its borrowed units)
+    are still over the cap, they are gathered anyway -- training cannot proceed otherwise -- with a
+    one-time warning that names the sizes and suggests finer units (`wrap=`) or a larger cap.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from shardpar.unit import Unit, UnitState
+
+PREFETCH = "prefetch"
+
+
+class LiveCounter:
+    """Unsharded elements right now, with an optional trace of every change (for tests)."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self.trace: list[tuple[str, int, int]] | None = None  # (unit, delta, live after)
+
+    def __call__(self, unit: Unit, delta: int) -> None:
+        self.live += delta
+        self.peak = max(self.peak, self.live)
+        if self.trace is not None:
+            self.trace.append((unit.name, delta, self.live))
+
+
+class Scheduler:
+    def __init__(self, units: list[Unit], *, cap: int, live: LiveCounter, prefetch_depth: int = 1) -> None:
+        self.units = units
+        self.cap = cap
+        self.live = live
+        self.prefetch_depth = prefetch_depth
+        self.forward_order: list[Unit] = []
+        self.backward_order: list[Unit] = []
+        self._forward_now: list[Unit] = []
+        self._backward_now: list[Unit] = []
+        self._warned = False
+
+    # ---- pass boundaries ------------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        self._forward_now = []
+
+    def end_forward(self) -> None:
+        if self._forward_now:
+            self.forward_order = self._forward_now
+        self.drop_prefetches()
+
+    def end_backward(self) -> None:
+        if self._backward_now:
+            self.backward_order = self._backward_now
+        self._backward_now = []
+        self.drop_prefetches()
+
+    def drop_prefetches(self) -> None:
+        for unit in self.units:
+            if PREFETCH in unit.holders:
+                unit.reshard(PREFETCH)
+
+    # ---- per unit ------------------------------------------------------------------------------
+
+    def require(self, unit: Unit, holder: str, *, backward: bool) -> None:
+        """Unit `unit` is about to compute: make it (and its borrowed units) gathered, then prefetch."""
+        (self._backward_now if backward else self._forward_now).append(unit)
+        self._make_room(unit)
+        unit.unshard(holder, async_op=True)
+        unit.reshard(PREFETCH)  # a prefetch turned into a real use (no-op otherwise)
+        unit.wait_for_unshard()
+        order = self._predicted_order(backward)
+        for nxt in self._next_units(order, unit):
+            self._prefetch(nxt)
+
+    def _predicted_order(self, backward: bool) -> list[Unit]:
+        if not backward:
+            return self.forward_order
+        return self.backward_order or list(reversed(self.forward_order))
+
+    def _next_units(self, order: list[Unit], unit: Unit) -> list[Unit]:
+        if unit not in order:
+            return []
+        i = order.index(unit)
+        return order[i + 1 : i + 1 + self.prefetch_depth]
+
+    def _prefetch(self, unit: Unit) -> None:
+        if unit.state is not UnitState.SHARDED or unit.reduced:
+            return
+        if self.live.live + self._size_if_gathered(unit) > self.cap:
+            return
+        unit.unshard(PREFETCH, async_op=True)
+
+    # ---- the cap --------------------------------------------------------------------------------
+
+    def _size_if_gathered(self, unit: Unit) -> int:
+        todo = [unit, *unit.deps]
+        return sum(u.layout.padded_numel for u in todo if u.state is UnitState.SHARDED)
+
+    def _make_room(self, unit: Unit) -> None:
+        need = self._size_if_gathered(unit)
+        if self.live.live + need <= self.cap:
+            return
+        keep = {id(unit), *(id(d) for d in unit.deps)}
+        for other in self.units:
+            if id(other) not in keep and other.holders == {PREFETCH}:
+                other.reshard(PREFETCH)
+                if self.live.live + need <= self.cap:
+                    return
+        if not self._warned:
+            self._warned = True
+            alive = [u.name for u in self.units if u.state is not UnitState.SHARDED]
+            warnings.warn(
+                f"sdp_max_live_parameters={self.cap} is smaller than what must be gathered together: "
+                f"{self.live.live} elements alive in {alive} plus {need} for {unit.name!r}; gathering anyway. "
+                "Raise the cap, or split the model into smaller units with DistributedModel(wrap=...)",
+                stacklevel=3,
+            )

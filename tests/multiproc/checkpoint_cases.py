@@ -1,0 +1,367 @@
+"""Cases for test_checkpoint.py, run on every rank of a pool (importable for spawn).
+
+Training recipe shared by every case: UnevenMLP, AdamW with two param groups, a LambdaLR schedule,
+clipping, and a fixed *global* batch of 4 per step that each rank slices by its rdp rank -- so any
+world / sdp trains the same model and a resumed run can be compared with a straight one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import shardpar as smp
+from shardpar import checkpoint as ckpt
+from tests import models
+from tests.multiproc.parity import ADAM, _param_groups
+
+SHARD = {"sdp_param_persistence_threshold": 10, "sdp_gradient_clipping": 0.05}
+GLOBAL_BATCH = 4
+
+
+# ---- training ------------------------------------------------------------------------------------
+
+
+def _build(sdp: int, seed: int = 0) -> tuple[Any, Any, Any]:
+    smp.init({**SHARD, "sharded_data_parallel_degree": sdp})
+    return _make(seed)
+
+
+def _make(seed: int, **mlp: int) -> tuple[Any, Any, Any]:
+    torch.manual_seed(seed)
+    module = models.UnevenMLP(**mlp)
+    module.register_buffer("marker", torch.arange(3.0) + seed)  # a persistent buffer, seed-dependent
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(_adamw(_param_groups(model)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def _adamw(params: Any) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=ADAM["lr"], eps=ADAM["eps"])
+
+
+def _train(model: Any, opt: Any, sched: Any, steps: range) -> list[float]:
+    """Steps of the global batch; the loss of each step averaged over the rdp group."""
+    r, n = smp.rdp_rank(), smp.rdp_size()
+    per = GLOBAL_BATCH // n
+    losses = []
+    for step in steps:
+        batch = models.mlp_batch(1000 + step, GLOBAL_BATCH)
+        loss = model(**{k: v[r * per : (r + 1) * per] for k, v in batch.items()})
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(sum(smp.allgather(loss.item(), smp.CommGroup.RDP_GROUP)) / n)
+    return losses
+
+
+def _save(root: str, tag: str, model: Any, opt: Any, **kw: Any) -> Path:
+    return ckpt.save_checkpoint(
+        root, tag, model=model, optimizer=opt, topology=smp.get_topology(), engine=smp.get_engine(), **kw
+    )
+
+
+def _resume(root: str, tag: str | None, model: Any, opt: Any, **kw: Any) -> Any:
+    return ckpt.resume_from_checkpoint(
+        root, tag, model=model, optimizer=opt, topology=smp.get_topology(), engine=smp.get_engine(), **kw
+    )
+
+
+def _full_state(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _adam_moments(model: Any, opt: Any) -> dict[str, torch.Tensor]:
+    """Full exp_avg / exp_avg_sq of every parameter, assembled from every rank's pieces (test-side)."""
+    from shardpar.checkpoint.pieces import slots
+
+    mine = []
+    for s in slots(model):
+        state = opt.optimizer.state.get(opt._main_piece[id(s.param)], {})
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k in state and s.length:
+                mine.append((f"{s.fqn}:{k}", s.start, state[k].reshape(-1).clone(), s.full_shape))
+    full: dict[str, torch.Tensor] = {}
+    for pieces in smp.allgather(mine):
+        for key, start, values, shape in pieces:
+            t = full.setdefault(key, torch.zeros(shape).reshape(-1))
+            t[start : start + values.numel()] = values
+    return full
+
+
+# ---- resharding ----------------------------------------------------------------------------------
+
+
+def save_midway_case(root: str) -> dict[str, Any]:
+    """World 4 / sdp 2: 3 steps, save, 3 more steps (the straight run)."""
+    model, opt, sched = _build(sdp=2)
+    first = _train(model, opt, sched, range(3))
+    at_save = _full_state(model)
+    moments = _adam_moments(model, opt)
+    out = _save(root, "step3", model, opt, user_content={"step": 3, "scheduler": sched.state_dict()})
+    rest = _train(model, opt, sched, range(3, 6))
+    final = _full_state(model)
+    if smp.rank() != 0:
+        return {}
+    files = {p.name: p.stat().st_size for p in out.iterdir()}
+    return {
+        "first": first,
+        "losses": rest,
+        "final": final,
+        "at_save": at_save,
+        "moments": moments,
+        "files": files,
+        "dir": str(out),
+    }
+
+
+def resume_case(root: str, sdp: int) -> dict[str, Any]:
+    """Build from another seed, resume the newest checkpoint, train steps 3..5."""
+    model, opt, sched = _build(sdp=sdp, seed=123)
+    content = _resume(root, None, model, opt)
+    sched.load_state_dict(content["scheduler"])
+    moments = _adam_moments(model, opt)
+    resumed = _full_state(model)
+    losses = _train(model, opt, sched, range(3, 6))
+    return {
+        "step": content["step"],
+        "losses": losses,
+        "final": _full_state(model),
+        "resumed": resumed,
+        "moments": moments,
+        "sdp_size": smp.sdp_size(),
+    }
+
+
+# ---- Hugging Face export -------------------------------------------------------------------------
+
+
+def _train_lm(model: Any, opt: Any, steps: int) -> None:
+    r, n = smp.rdp_rank(), smp.rdp_size()
+    for step in range(steps):
+        batch = models.lm_batch(step, 2 * n)
+        model.backward(model(**{k: v[2 * r : 2 * r + 2] for k, v in batch.items()}).loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def hf_export_case(root: str, name: str, max_shard_size: int | None) -> dict[str, Any]:
+    """Train a tiny HF model (world 2 / sdp 2), export it, load it with from_pretrained on rank 0."""
+    from transformers import AutoModelForCausalLM
+
+    build = {"gpt2_tied": models.tiny_gpt2_tied, "neox": models.tiny_neox}[name]
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2})
+    model = smp.DistributedModel(build())
+    opt = smp.DistributedOptimizer(_adamw(model.parameters()))
+    _train_lm(model, opt, 2)
+    stats = smp.comm_stats()
+    stats.begin_step()
+    out = _save(root, name, model, opt, partial=False, max_shard_size=max_shard_size, user_content={"m": name})
+    gathers = [(r.op, r.group, r.bytes) for r in stats.begin_step()]
+    unit_bytes = [u.layout.padded_numel * 4 for u in model.units if u.layout.numel]
+    model.eval()
+    prompt = models.lm_batch(7, 2)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=prompt).logits
+    trained = _full_state(model)
+    result: dict[str, Any] = {"gathers": gathers, "unit_bytes": unit_bytes}
+    if smp.rank() == 0:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        hf, info = loaded
+        with torch.no_grad():
+            result["logits"] = (hf.eval()(input_ids=prompt).logits - logits).abs().max().item()
+        result["info"] = {k: sorted(v) if isinstance(v, (set, list)) else v for k, v in info.items()}
+        result["files"] = sorted(p.name for p in out.iterdir())
+        hf.save_pretrained(Path(root) / "plain")  # a directory shardpar did not write (no manifest)
+    # ... and back into a differently initialised shardpar model (partial=False resume).
+    fresh_model = smp.DistributedModel(_reseeded(build))
+    content = _resume(root, None, fresh_model, None, partial=False)
+    again = _full_state(fresh_model)
+    result["reload"] = max((again[k] - trained[k]).abs().max().item() for k in trained)
+    result["content"] = content
+    plain_model = smp.DistributedModel(_reseeded(build))
+    _resume(root, "plain", plain_model, None, partial=False)
+    again = _full_state(plain_model)
+    result["plain_reload"] = max((again[k] - trained[k]).abs().max().item() for k in trained)
+    # partial round trip of the same model (tied weights keyed by their first name)
+    _save(root, name, model, opt)
+    fresh_model = smp.DistributedModel(_reseeded(build))
+    fresh_opt = smp.DistributedOptimizer(_adamw(fresh_model.parameters()))
+    _resume(root, name, fresh_model, fresh_opt)
+    again = _full_state(fresh_model)
+    result["partial_reload"] = max((again[k] - trained[k]).abs().max().item() for k in trained)
+    result["moments"] = _max_moment_diff(_adam_moments(model, opt), _adam_moments(fresh_model, fresh_opt))
+    return result
+
+
+def _max_moment_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():
+        return float("inf")
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _reseeded(build: Any) -> nn.Module:
+    module = build()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.5)
+    return module
+
+
+# ---- validation errors ---------------------------------------------------------------------------
+
+
+def _damage(root: Path, source: str, tag: str, how: Any) -> None:
+    """Rank 0 copies checkpoint `source` to `tag` and damages the copy; everyone waits for it."""
+    if smp.rank() == 0:
+        shutil.copytree(root / f"{source}_partial", root / f"{tag}_partial")
+        how(root / f"{tag}_partial")
+    smp.barrier()
+
+
+def _truncate(d: Path) -> None:
+    f = d / "shard-00001.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+
+
+def _drop_piece(d: Path) -> None:
+    import json
+
+    index = json.loads((d / "index.json").read_text())
+    fqn = next(f for f, e in index["params"].items() if len(e["pieces"]) == 2)
+    index["params"][fqn]["pieces"].pop()
+    (d / "index.json").write_text(json.dumps(index))
+
+
+def errors_case(root_s: str) -> dict[str, Any]:
+    """World 2 / sdp 2: every damaged copy raises CheckpointError on every rank and loads nothing."""
+    root = Path(root_s)
+    model, opt, sched = _build(sdp=2)
+    _train(model, opt, sched, range(1))
+    _save(root_s, "good", model, opt)
+    _train(model, opt, sched, range(1, 2))
+    _save(root_s, "other", model, opt)
+    damages = {
+        "truncated": _truncate,
+        "missing": lambda d: (d / "shard-00001.safetensors").unlink(),
+        "foreign": lambda d: shutil.copy(root / "other_partial" / "shard-00001.safetensors", d),
+        "piece": _drop_piece,
+        "index": lambda d: (d / "index.json").write_text('{"format": "shardpar.partial", "vers'),
+    }
+    for tag, how in damages.items():
+        _damage(root, "good", tag, how)
+    before = _full_state(model)
+    moments_before = _adam_moments(model, opt)
+    errors: dict[str, str] = {}
+    for tag in [*damages, "nonexistent"]:
+        try:
+            _resume(root_s, tag, model, opt)
+            errors[tag] = "no error"
+        except ckpt.CheckpointError as e:
+            errors[tag] = str(e)
+    # A model that does not match (one block fewer): clear error, strict=False loads what fits.
+    model2, opt2, _ = _make(0, depth=2)
+    try:
+        _resume(root_s, "good", model2, opt2)
+        errors["misfit"] = "no error"
+    except ckpt.CheckpointError as e:
+        errors["misfit"] = str(e)
+    loose = _resume(root_s, "good", model2, opt2, strict=False, load_optimizer=False)
+    after = _full_state(model)
+    unchanged = max((after[k] - before[k]).abs().max().item() for k in before)
+    moments_after = _adam_moments(model, opt)
+    moments_unchanged = max((moments_after[k] - moments_before[k]).abs().max().item() for k in moments_before)
+    return {"errors": errors, "unchanged": unchanged, "moments_unchanged": moments_unchanged, "loose": loose}
+
+
+# ---- pointers and pruning ------------------------------------------------------------------------
+
+
+def keep_and_newest_case(root: str) -> dict[str, Any]:
+    from shardpar.precision import DynamicLossScaler
+
+    model, opt, _sched = _build(sdp=2)
+    saved_scaler = DynamicLossScaler(init_scale=1024.0, scale_window=5)
+    saved_scaler.update(True)  # an overflow: scale 512, cur_iter 1
+    opt.loss_scaler = saved_scaler
+    for i in range(1, 5):
+        _save(
+            root, f"t{i}", model, opt, user_content={"tag": f"t{i}", "pair": (i, 2.5)}, num_kept_partial_checkpoints=2
+        )
+    _save(root, "t4", model, opt, user_content={"tag": "t4-again", "pair": (4, 2.5)}, num_kept_partial_checkpoints=2)
+    listing = sorted(p.name for p in Path(root).iterdir())
+    opt.loss_scaler = DynamicLossScaler(init_scale=1024.0, scale_window=5)
+    content = _resume(root, None, model, opt)
+    scaler = {"restored": opt.loss_scaler.state_dict(), "saved": saved_scaler.state_dict(), "model": model.loss_scale}
+    errors = {}
+    for bad in ("", "a/b", ".hidden", "newest"):
+        try:
+            _save(root, bad, model, opt)
+        except ValueError as e:
+            errors[bad] = str(e)
+    try:
+        _save(root, "t5", model, opt, user_content={"f": lambda: 0})
+    except TypeError as e:
+        errors["content"] = str(e)
+    listing_after = sorted(p.name for p in Path(root).iterdir())
+    return {
+        "listing": listing,
+        "content": content,
+        "errors": errors,
+        "listing_after": listing_after,
+        "scaler": scaler,
+        "newest": (Path(root) / "newest").read_text(),
+    }
+
+
+# ---- crash during a save -------------------------------------------------------------------------
+
+
+def crash_good_case(root: str) -> dict[str, Any]:
+    model, opt, sched = _build(sdp=2)
+    _train(model, opt, sched, range(2))
+    _save(root, "good", model, opt, user_content={"tag": "good"})
+    rng = torch.rand(3)  # what a run continuing from the save draws (RNG restored: same world)
+    state = _full_state(model)
+    state.update({f"moment:{k}": v for k, v in _adam_moments(model, opt).items()})
+    return {"state": state, "rng": rng}
+
+
+def crash_during_save_case(root: str) -> None:
+    """Rank 1 dies (SIGKILL) half-way through writing its file of tag 'bad'."""
+    import shardpar.checkpoint.partial as partial_mod
+
+    model, opt, sched = _build(sdp=2)
+    _train(model, opt, sched, range(3))
+    real = partial_mod.write_tensors
+
+    def write_then_die(path: Path, tensors: Any, metadata: Any) -> int:
+        size = real(path, tensors, metadata)
+        if smp.rank() == 1:
+            with open(path, "r+b") as f:
+                f.truncate(size // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return size
+
+    partial_mod.write_tensors = write_then_die
+    _save(root, "bad", model, opt, user_content={"tag": "bad"})
+
+
+def resume_after_crash_case(root: str) -> dict[str, Any]:
+    model, opt, _sched = _build(sdp=2, seed=7)
+    content = _resume(root, None, model, opt)
+    rng = torch.rand(3)
+    state = _full_state(model)
+    state.update({f"moment:{k}": v for k, v in _adam_moments(model, opt).items()})
+    before = sorted(p.name for p in Path(root).iterdir())
+    _save(root, "after", model, opt)
+    after = sorted(p.name for p in Path(root).iterdir())
+    return {"content": content, "state": state, "rng": rng, "listing_before": before, "listing_after": after}

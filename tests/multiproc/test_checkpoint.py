@@ -1,0 +1,113 @@
+"""save_checkpoint / resume_from_checkpoint: resharding, HF export, validation, pruning, crash safety."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardpar import checkpoint as ckpt
+from tests.harness import RankFailure
+from tests.multiproc import checkpoint_cases as cases
+
+TOL = 1e-6
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_resume_under_other_topologies_matches_straight_run(ranks, tmp_path: Path) -> None:
+    """6 steps straight == 3 steps, save on world 4 / sdp 2, resume on (2, 2), (4, 4), (1, 1), 3 more."""
+    root = str(tmp_path)
+    straight = ranks.run(4, cases.save_midway_case, root)[0]
+    # one writer per shard: replica 0 of the sharding group (ranks 0, 1); replica 1 wrote nothing
+    assert set(straight["files"]) == {
+        "index.json",
+        "rng.safetensors",
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+    }
+    # offline consolidation (what ZeRO-3 users convert by hand) gives the full model at step 3
+    offline = dict(ckpt.load_consolidated(root))
+    assert _max_diff(offline, straight["at_save"]) == 0.0
+    for world, sdp in [(2, 2), (4, 4), (1, 1)]:
+        label = f"world {world} / sdp {sdp}"
+        for rank, res in enumerate(ranks.run(world, cases.resume_case, root, sdp)):
+            assert res["sdp_size"] == sdp and res["step"] == 3
+            assert _max_diff(res["resumed"], straight["at_save"]) == 0.0, f"{label} rank {rank}: params"
+            assert _max_diff(res["moments"], straight["moments"]) == 0.0, f"{label} rank {rank}: Adam moments"
+            losses = max(abs(a - b) for a, b in zip(res["losses"], straight["losses"], strict=True))
+            assert losses <= TOL, f"{label} rank {rank}: losses differ by {losses:.2e}"
+            assert _max_diff(res["final"], straight["final"]) <= TOL, f"{label} rank {rank}: final params"
+
+
+@pytest.mark.parametrize(("name", "max_shard_size"), [("gpt2_tied", None), ("neox", 40_000)])
+def test_full_export_loads_in_hugging_face(ranks, tmp_path: Path, name: str, max_shard_size: int | None) -> None:
+    results = ranks.run(2, cases.hf_export_case, str(tmp_path), name, max_shard_size)
+    r0 = results[0]
+    assert r0["logits"] <= 1e-5, f"from_pretrained logits differ by {r0['logits']:.2e}"
+    assert r0["info"]["missing_keys"] == [] and r0["info"]["unexpected_keys"] == [], r0["info"]
+    assert r0["info"]["mismatched_keys"] == [], r0["info"]
+    assert "config.json" in r0["files"] and "shardpar_full.json" in r0["files"]
+    if max_shard_size is None:
+        assert "model.safetensors" in r0["files"]
+    else:
+        shards = [f for f in r0["files"] if f.startswith("model-")]
+        assert len(shards) >= 2 and "model.safetensors.index.json" in r0["files"], r0["files"]
+    for r in results:
+        # streamed: one AllGather per unit, each exactly one unit's flat buffer
+        assert r["gathers"] == [("all_gather", "sharding", b) for b in r["unit_bytes"]], r["gathers"]
+        assert r["reload"] == 0.0 and r["content"] == {"m": name}
+        assert r["partial_reload"] == 0.0 and r["moments"] == 0.0
+        assert r["plain_reload"] == 0.0  # a save_pretrained directory resumes with partial=False too
+
+
+def test_damaged_checkpoints_raise_clear_errors_and_load_nothing(ranks, tmp_path: Path) -> None:
+    results = ranks.run(2, cases.errors_case, str(tmp_path))
+    expected = {
+        "truncated": ("shard-00001.safetensors", "truncated"),
+        "missing": ("shard-00001.safetensors", "missing"),
+        "foreign": ("shard-00001.safetensors", "another checkpoint"),
+        "piece": ("index.json", "pieces cover 124 of 169 elements"),
+        "index": ("index.json", "not valid JSON"),
+        "nonexistent": ("nonexistent_partial", "missing"),
+        "misfit": ("blocks.2", "not in the model"),
+    }
+    for rank, r in enumerate(results):  # every rank raises, also those that never read the bad file
+        for tag, words in expected.items():
+            message = r["errors"][tag]
+            assert all(w in message for w in words), f"rank {rank} {tag}: {message}"
+        assert r["unchanged"] == 0.0 and r["moments_unchanged"] == 0.0, "a failed resume changed the model"
+        assert r["loose"] is None  # strict=False loaded what fits (no user_content was saved)
+
+
+def test_keep_n_pruning_newest_pointer_and_argument_errors(ranks, tmp_path: Path) -> None:
+    r = ranks.run(2, cases.keep_and_newest_case, str(tmp_path))[0]
+    assert r["listing"] == ["newest", "t3_partial", "t4_partial"], r["listing"]
+    assert r["newest"] == "t4"
+    assert r["content"] == {"tag": "t4-again", "pair": (4, 2.5)}  # tuples survive the JSON round trip
+    assert set(r["errors"]) == {"", "a/b", ".hidden", "newest", "content"}
+    assert "function" in r["errors"]["content"] and "no pickle" in r["errors"]["content"]
+    assert r["listing_after"] == r["listing"], "failed saves left files behind"
+    assert r["scaler"]["restored"] == r["scaler"]["saved"] and r["scaler"]["model"] == 512.0
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(ranks, tmp_path: Path) -> None:
+    root = str(tmp_path)
+    crash_env = {"SHARDPAR_TEST_POOL": "crash"}  # a pool of its own: the shared world-2 pool survives
+    good = ranks.run(2, cases.crash_good_case, root, env=crash_env)
+    with pytest.raises(RankFailure, match="died"):
+        ranks.run(2, cases.crash_during_save_case, root, env=crash_env, timeout=60)
+    assert (tmp_path / "newest").read_text() == "good" and not (tmp_path / "bad_partial").exists()
+    for rank, r in enumerate(ranks.run(2, cases.resume_after_crash_case, root)):
+        assert r["content"] == {"tag": "good"}
+        assert _max_diff(r["state"], good[rank]["state"]) == 0.0, "the previous checkpoint must resume exactly"
+        assert torch.equal(r["rng"], good[rank]["rng"]), "RNG state restored (same world)"
+        assert not any(n.startswith(".tmp-") for n in r["listing_after"]), r["listing_after"]
+        assert "after_partial" in r["listing_after"]
+    index = json.loads((tmp_path / "good_partial" / "index.json").read_text())
+    assert index["topology"]["world"] == 2 and index["optimizer"]["class"] == "AdamW"
