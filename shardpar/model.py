@@ -72,6 +72,7 @@ class DistributedModel(nn.Module):
         self.num_backward = 0
         self.microbatches_in_step = 1  # set by smp.step while it runs
         self.loss_scale = 1.0  # set by the DistributedOptimizer's fp16 loss scaler
+        self.unused_params: set[int] = set()  # ids of params without a gradient in the last window
         self.policy = DtypePolicy.from_config(config)
         self._finalize_queued_for: int | None = None
         self.device = device or _module_device(module)
@@ -242,11 +243,28 @@ class DistributedModel(nn.Module):
         if self.is_accumulation_boundary(self.num_backward - 1):
             for unit in self.units:
                 unit.finish_accumulation()
-            self.persistent.finish_accumulation()
+            self._agree_on_unused_params()
         for unit in self.units:
             unit.holders.clear()
             unit.reshard("")
         self.scheduler.end_backward()
+
+    def _agree_on_unused_params(self) -> None:
+        """[Note: unused params]
+        A parameter that got no gradient anywhere in the accumulation window must not be stepped:
+        plain PyTorch leaves its .grad None, so SGD momentum and AdamW weight decay skip it. Shards
+        only see zeros, so the ranks agree on per-parameter "got a gradient" flags -- folded into
+        the persistent-gradient AllReduce over the rdp group, no extra collective."""
+        holders: list[Unit | PersistentParams] = [*self.units, self.persistent]
+        flags = [float(b) for h in holders for b in h.grad_used]
+        agreed = self.persistent.finish_accumulation(torch.tensor(flags, device=self.device)).tolist()
+        params = [p for h in holders for p in h.params]
+        self.unused_params = {id(p) for p, seen in zip(params, agreed, strict=True) if seen == 0.0}
+
+    def reset_grad_usage(self) -> None:
+        holders: list[Unit | PersistentParams] = [*self.units, self.persistent]
+        for holder in holders:
+            holder.grad_used = [False] * len(holder.params)
 
     def end_step(self) -> None:
         """Called by the optimizer after each step: closes the step in the communication records."""

@@ -17,6 +17,7 @@ from torch import nn
 from shardpar.model import DistributedModel
 from shardpar.persistent import PersistentParams
 from shardpar.precision import LossScaler, StaticLossScaler
+from shardpar.tensor_parallel import tp_grad_norm_squared, tp_split_table
 from shardpar.unit import Unit
 
 
@@ -42,7 +43,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.overflow = False
         model.loss_scale = self.loss_scaler.loss_scale
         self._main_piece: dict[int, nn.Parameter] = {}
-        self._grad_slots: list[tuple[nn.Parameter, Any, slice]] = []  # (piece, unit, local slice)
+        self._grad_slots: list[tuple[nn.Parameter, Unit, slice, nn.Parameter]] = []  # piece, unit, slice, param
         self._persistent_slots: list[tuple[nn.Parameter, int]] = []  # (piece, index in the persistent set)
         self._build_pieces()
         self._repoint_groups()
@@ -54,7 +55,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 piece = nn.Parameter(unit.main_shard[sl.local], requires_grad=p.requires_grad)
                 self._main_piece[id(p)] = piece
                 if p.requires_grad:
-                    self._grad_slots.append((piece, unit, sl.local))
+                    self._grad_slots.append((piece, unit, sl.local, p))
         persistent = self.model.persistent
         for i, p in enumerate(persistent.params):
             piece = nn.Parameter(persistent.main_view(i), requires_grad=p.requires_grad)
@@ -82,10 +83,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- step ---------------------------------------------------------------------------------
 
     def _attach_grads(self) -> None:
-        for piece, unit, local in self._grad_slots:
-            piece.grad = None if unit.main_grad is None else unit.main_grad[local]
+        unused = self.model.unused_params
+        for piece, unit, local, p in self._grad_slots:
+            piece.grad = None if unit.main_grad is None or id(p) in unused else unit.main_grad[local]
+        persistent = self.model.persistent
         for piece, i in self._persistent_slots:
-            piece.grad = self.model.persistent.grad_view(i)
+            piece.grad = None if id(persistent.params[i]) in unused else persistent.grad_view(i)
 
     def _main_grads(self) -> list[torch.Tensor]:
         grads = [u.main_grad for u in self.model.units if u.main_grad is not None]
@@ -99,7 +102,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         same on every rank after their rdp AllReduce, so only sharding-group position 0 adds them.
         Replicas hold identical main grads after the boundary AllReduce, so they agree without
         talking. An inf/nan anywhere makes the sum non-finite on every rank: the overflow check.
+        A tensor-parallel model sums its TP-split grads over the TP group too and counts TP-replicated
+        ones once (shardpar/tensor_parallel/clip.py).
         """
+        splits = tp_split_table(self.model.module) if self.model.topology.tp.size > 1 else None
+        if splits:
+            return tp_grad_norm_squared(self.model, splits)
         sq = torch.zeros(1, dtype=torch.float32, device=self.model.device)
         for unit in self.model.units:
             if unit.main_grad is not None:
@@ -150,13 +158,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped
+            self.model.reset_grad_usage()
         holders: list[Unit | PersistentParams] = [*self.model.units, self.model.persistent]
         for holder in holders:
             if set_to_none:
                 holder.main_grad = None
             elif holder.main_grad is not None:
                 holder.main_grad.zero_()
-        for piece, _, _ in self._grad_slots:
+        for piece, _, _, _ in self._grad_slots:
             piece.grad = None
         for piece, _ in self._persistent_slots:
             piece.grad = None

@@ -47,6 +47,7 @@ class PersistentParams:
         for p, off in zip(self.params, self.offsets, strict=True):
             set_param_data(p, self.compute[off : off + p.numel()].view(p.shape))
         self.main_grad: torch.Tensor | None = None
+        self.grad_used = [False] * len(self.params)
 
     def main_view(self, i: int) -> torch.Tensor:
         p, off = self.params[i], self.offsets[i]
@@ -64,25 +65,26 @@ class PersistentParams:
             return
         if self.main_grad is None:
             self.main_grad = torch.zeros_like(self.main)
-        for p, off in zip(self.params, self.offsets, strict=True):
+        for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True)):
             if p.grad is not None:
                 self.main_grad[off : off + p.numel()].add_(p.grad.reshape(-1))
                 p.grad = None
+                self.grad_used[i] = True
 
-    def finish_accumulation(self) -> None:
-        """Accumulation boundary: average over the rdp group (one call for all persistent params)."""
-        if not self.params or not any(p.requires_grad for p in self.params):
-            return
-        if self.main_grad is None:
+    def finish_accumulation(self, usage: torch.Tensor) -> torch.Tensor:
+        """Accumulation boundary: average the persistent grads over the rdp group and, in the same
+        call, the per-parameter "got a gradient" flags of the whole model (`usage`, 0/1 floats).
+        Returns the averaged flags: > 0 where any rank saw a gradient for that parameter."""
+        if self.main_grad is None and self.params:
             self.main_grad = torch.zeros_like(self.main)  # every rank must join the collective
         if self.rdp.size == 1:
-            return
-        if self.reduce_dtype == torch.float32:
-            self.engine.all_reduce(self.main_grad, self.rdp, op=ReduceOp.AVG)
-        else:
-            low = self.main_grad.to(self.reduce_dtype)
-            self.engine.all_reduce(low, self.rdp, op=ReduceOp.AVG)
-            self.main_grad.copy_(low)
+            return usage
+        grads = self.main_grad if self.main_grad is not None else self.main.new_zeros(0)
+        payload = torch.cat([grads, usage.to(grads.device)]).to(self.reduce_dtype)
+        self.engine.all_reduce(payload, self.rdp, op=ReduceOp.AVG)
+        if self.main_grad is not None:
+            self.main_grad.copy_(payload[: grads.numel()])
+        return payload[grads.numel() :].float()
 
     def refresh_compute(self) -> None:
         """After the optimizer stepped the fp32 main copy: update the compute-dtype copy."""

@@ -107,6 +107,8 @@ class Unit:
         self.has_frozen = self.num_trainable != len(params)
         self.grads_arrived = 0
         self.reduced = False  # in the running backward
+        # Which parameters got a gradient in this accumulation window (see [Note: unused params]).
+        self.grad_used = [False] * len(params)
 
     # ---- initial sharding --------------------------------------------------------------------
 
@@ -210,10 +212,11 @@ class Unit:
         """
         n, width = self.layout.num_shards, self.layout.shard_numel
         block = torch.zeros(n * width, dtype=dtype, device=self.device)
-        for p, spec in zip(self.params, self.layout.specs, strict=True):
+        for i, (p, spec) in enumerate(zip(self.params, self.layout.specs, strict=True)):
             if p.grad is not None:
                 block[spec.offset : spec.offset + spec.numel].copy_(p.grad.reshape(-1))
                 p.grad = None
+                self.grad_used[i] = True
         return block.view(n, width)
 
     def accumulate_main_grad(self, reduced: torch.Tensor) -> None:

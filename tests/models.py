@@ -80,3 +80,19 @@ def lm_batch(seed: int, n: int, seq: int = 16, vocab: int = 96) -> dict[str, tor
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n, seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+class BranchyMLP(UnevenMLP):
+    """UnevenMLP whose forward may skip a block or run the blocks in reverse: the unit order changes
+    between steps (what eval, generate or data-dependent branches do to a prefetch trace)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, mode: int = 0) -> torch.Tensor:  # type: ignore[override]
+        h = self.inp(x)
+        blocks = list(self.blocks)
+        if mode == 1:
+            blocks = blocks[:1] + blocks[2:]  # skip block 1
+        elif mode == 2:
+            blocks = blocks[::-1]
+        for b in blocks:
+            h = b(h)
+        return nn.functional.cross_entropy(self.head(h) * self.temperature, y)

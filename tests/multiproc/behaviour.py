@@ -31,7 +31,9 @@ def schedule_case() -> dict[str, Any]:
     opt.step()  # closes its own step in the records
     step_records = [(r.op, r.group, r.bytes) for r in stats.history[-1]]
     unit_bytes = {u.name: u.layout.padded_numel * 4 for u in model.units}
-    persistent = model.persistent.main.numel() * 4
+    # the rdp AllReduce carries the persistent grads and one usage flag per parameter
+    num_params = sum(len(u.params) for u in model.units) + len(model.persistent.params)
+    persistent = (model.persistent.main.numel() + num_params) * 4
     return {"micro": micro_records, "step": step_records, "unit_bytes": unit_bytes, "persistent": persistent}
 
 

@@ -1,0 +1,148 @@
+"""Cases for test_schedule.py: live cap, buckets, hierarchical gather, comm accounting, order changes."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+import shardpar as smp
+from tests import models
+from tests.multiproc.parity import ADAM
+
+SHARD = {"sdp_param_persistence_threshold": 10}
+
+
+def live_cap_case(cap_units: float) -> dict[str, Any]:
+    """Train with sdp_max_live_parameters = cap_units x (root + one block); record every gather/free."""
+    probe = models.UnevenMLP()
+    root_numel = sum(p.numel() for n, p in probe.named_parameters() if not n.startswith("blocks") and p.numel() >= 10)
+    block_numel = sum(p.numel() for p in probe.blocks[0].parameters() if p.numel() >= 10)
+    sdp = 2
+    pad = lambda n: -(-n // sdp) * sdp  # noqa: E731
+    cap = int(cap_units * (pad(root_numel) + pad(block_numel)))
+    smp.init({**SHARD, "sharded_data_parallel_degree": sdp, "sdp_max_live_parameters": cap})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(models.UnevenMLP())
+    model.set_prefetch_depth(3)
+    model.set_live_trace(True)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            model.backward(model(**models.mlp_batch(step, 4)))
+            opt.step()
+            opt.zero_grad()
+    trace = model.live.trace or []
+    prefetched = sum(1 for name, delta, _ in trace if delta > 0)
+    return {
+        "cap": cap,
+        "max_live": max(live for _, _, live in trace),
+        "gathers": prefetched,
+        "warnings": [str(w.message) for w in caught if "sdp_max_live_parameters" in str(w.message)],
+        "final_live": model.live.live,
+    }
+
+
+def bucket_case(bucket: int) -> dict[str, Any]:
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, "sdp_reduce_bucket_size": bucket})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(models.UnevenMLP())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(2):
+        model.backward(model(**models.mlp_batch(step, 4)))
+        opt.step()
+        opt.zero_grad()
+    rs = [r for r in smp.comm_stats().history[-1] if r.op == "reduce_scatter"]
+    return {
+        "calls": len(rs),
+        "bytes": sum(r.bytes for r in rs),
+        "async": all(r.async_op for r in rs),
+        "units": {u.name: u.layout.padded_numel * 4 for u in model.units if u.num_trainable},
+        "params": {k: v for k, v in model.state_dict().items()},
+    }
+
+
+def hierarchical_case() -> dict[str, Any]:
+    """world 4 as 2 'nodes' x 2 ranks, sdp 4: hierarchical and flat gathers are bit-identical."""
+    from shardpar.collectives.hierarchical import hierarchical_all_gather
+
+    smp.init({**SHARD, "sharded_data_parallel_degree": 4, "ranks_per_node": 2})
+    topo, eng = smp.get_topology(), smp.get_engine()
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        shard = torch.randn(1001, generator=torch.Generator().manual_seed(smp.rank())).to(dtype)
+        flat, hier = torch.empty(4004, dtype=dtype), torch.empty(4004, dtype=dtype)
+        eng.all_gather(flat, shard, topo.sharding)
+        hierarchical_all_gather(
+            eng,
+            hier,
+            shard,
+            sharding=topo.sharding,
+            node=topo.groups["sharding_node"],
+            cross=topo.groups["sharding_cross"],
+        )
+        out[str(dtype)] = bool(torch.equal(flat, hier))
+    model = smp.DistributedModel(models.UnevenMLP())
+    smp.comm_stats().begin_step()
+    model(**models.mlp_batch(0, 4)).backward()
+    groups = sorted({r.group for r in smp.comm_stats().current if r.op == "all_gather"})
+    out["gather_groups"] = groups
+    out["uses_hierarchy"] = model.units[0].comm.node is not None
+    return out
+
+
+def comm_stats_case(world_replicas: int) -> dict[str, Any]:
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, "sdp_reduce_bucket_size": 1})
+    model = smp.DistributedModel(models.tiny_neox())
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
+    for step in range(2):
+        model.backward(model(**models.lm_batch(step, 2)).loss)
+        opt.step()
+        opt.zero_grad()
+    units = [(u.name, u.layout.padded_numel, u.layout.shard_numel, u.num_trainable) for u in model.units]
+    num_params = sum(len(u.params) for u in model.units) + len(model.persistent.params)
+    return {
+        "stats": model.comm_stats(),
+        "units": units,
+        "persistent": model.persistent.main.numel(),
+        "num_params": num_params,
+        "replicas": smp.get_topology().replication.size,
+    }
+
+
+def order_change_case() -> dict[str, float]:
+    """Steps alternate block orders (skip, reverse) and interleave eval: parity with single process."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(models.BranchyMLP())
+    model.set_prefetch_depth(2)
+    torch.manual_seed(0)
+    ref = models.BranchyMLP()
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    rank, world = smp.rank(), smp.size()
+    loss_diff = 0.0
+    for step, mode in enumerate([0, 1, 2, 0, 2, 1, 0]):
+        batch = models.mlp_batch(step, 4 * world)
+        local = {k: v[4 * rank : 4 * rank + 4] for k, v in batch.items()}
+        loss = model(**local, mode=mode)
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(**batch, mode=mode)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with torch.no_grad():  # an eval pass in yet another order between steps
+            model.eval()
+            model(**local, mode=(mode + 1) % 3)
+            model.train()
+        loss_diff = max(loss_diff, abs(sum(smp.allgather(loss.item())) / world - ref_loss.item()))
+    ours, theirs = model.state_dict(), ref.state_dict()
+    return {
+        "loss": loss_diff,
+        "param": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+        "live_after": float(model.live.live),
+    }
