@@ -35,6 +35,7 @@ from shardpar.api import (
     shutdown,
     size,
     step,
+    tensor_parallelism,
     tp_rank,
     tp_size,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "shutdown",
     "size",
     "step",
+    "tensor_parallelism",
     "tp_rank",
     "tp_size",
 ]

@@ -28,6 +28,8 @@ from shardpar.model import DistributedModel as _DistributedModel
 from shardpar.optimizer import DistributedOptimizer as _DistributedOptimizer
 from shardpar.precision import make_loss_scaler
 from shardpar.step import StepOutput, make_step
+from shardpar.tensor_parallel.marks import ModuleMarks, TPOptions
+from shardpar.tensor_parallel.marks import prepare_model as prepare_tensor_parallel
 from shardpar.topology import Plan, Topology, plan
 
 
@@ -62,6 +64,8 @@ class _State:
 _STATE: _State | None = None
 # smp.register_parameter may run in a module's __init__, before or after init(): kept apart from _STATE.
 _REGISTERED: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.WeakKeyDictionary()
+# smp.tensor_parallelism() marks modules while they are built, before init() may have run.
+_TP_MARKS = ModuleMarks()
 
 
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
@@ -279,11 +283,25 @@ def DistributedModel(
     *,
     backward_passes_per_step: int = 1,
     wrap: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
+    tensor_parallelism: bool = False,
 ) -> _DistributedModel:
-    """Shard `module` over the sharding group (reference 003); returns the wrapped model."""
+    """Shard `module` over the sharding group (reference 003); returns the wrapped model.
+
+    With `tensor_parallelism=True`, or for a model built under `smp.tensor_parallelism()`, the Hugging
+    Face model's blocks and embeddings are first split in place over the TP group; each TP rank then
+    shards its local parameters inside its sharding group (docs/tensor_parallelism.md).
+    """
     st = state()
     if isinstance(module, _DistributedModel):
         raise ValueError("the module is already a DistributedModel; wrap the plain module once")
+    module = prepare_tensor_parallel(
+        module,
+        requested=tensor_parallelism,
+        marks=_TP_MARKS,
+        config=st.config,
+        topology=st.topology,
+        engine=st.engine,
+    )
     registered = {id(m): list(ps) for m, ps in _REGISTERED.items()}
     model = _DistributedModel(
         module.to(st.device) if not _has_meta_tensors(module) else module,
@@ -301,6 +319,14 @@ def DistributedModel(
 
 def _has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def tensor_parallelism(enabled: bool = True, *, vocab_parallel_loss: bool = False) -> AbstractContextManager[None]:
+    """Modules built inside are split over the TP group when `smp.DistributedModel` wraps them
+    (GPT-NeoX, Llama, GPT-2); nest `enabled=False` to keep a part replicated. `vocab_parallel_loss`:
+    the LM head returns this rank's vocabulary slice of the logits and the model's loss is the
+    vocab-parallel cross-entropy (otherwise the logits are all-gathered)."""
+    return _TP_MARKS.building(TPOptions(enabled=enabled, vocab_parallel_loss=vocab_parallel_loss))
 
 
 def delay_param_initialization() -> AbstractContextManager[None]:
