@@ -1,44 +1,182 @@
-"""`shardpar demo | env` -- the command-line entry point."""
+"""`shardpar demo | estimate | env` -- the command-line entry point."""
 
 from __future__ import annotations
 
 import argparse
 import platform
 import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 from shardpar.topology import plan
 
+# ---- demo ----------------------------------------------------------------------------------------
+
 
 def demo(args: argparse.Namespace) -> int:
-    from shardpar.demo import demo_rank
+    from shardpar.demo import demo_options, demo_rank
     from shardpar.launcher import launch_local
 
     world, sdp = args.nprocs, args.sdp
     p = plan(world, 1, sdp)
+    opts = demo_options(sdp=sdp, steps=args.steps, batch=args.batch, seq=args.seq, out=args.out)
     print(f"shardpar demo: training a tiny GPT-NeoX on {world} CPU ranks, sharded_data_parallel_degree={sdp}")
     print(f"  sharding groups (each holds one copy of the model, split {sdp} ways): {list(p.sharding_groups)}")
     print(f"  replication groups (same shard, gradients averaged at the step boundary): {list(p.replication_groups)}")
-    results = launch_local(demo_rank, world, sdp, args.steps, args.batch, args.seq)
-    first = results[0]
-    history = first["history"]
+    print(f"  corpus: Python's own standard-library source, byte-level; {args.steps} steps", flush=True)
+    first = launch_local(demo_rank, world, opts)[0]
+    return _demo_summary(first, sdp)
+
+
+def _demo_summary(r: Any, sdp: int) -> int:
+    falling = r.losses[-1] < r.losses[0]
     print(
-        f"  model: {first['numel']:,} parameters; each rank keeps {first['shard']:,} in its shards "
-        f"(~1/{sdp} of the sharded ones)"
+        f"\n  model: {r.num_params:,} parameters; each rank keeps {r.shard_numel:,} in its shards (~1/{sdp} of the "
+        f"sharded ones)"
     )
     print(
-        f"  loss {history[0]:.3f} -> {history[-1]:.3f} over {len(history)} steps "
-        f"({'falling' if history[-1] < history[0] else 'NOT falling'})"
+        f"  loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f} over {len(r.losses)} steps "
+        f"({'falling' if falling else 'NOT falling'}); median {r.tokens_per_s:,.0f} tokens/s"
     )
-    return 0 if history[-1] < history[0] else 1
+    print(
+        f"  model states per rank: {r.model_state_bytes / 2**20:.2f} MiB measured, "
+        f"{r.estimated_model_state_bytes / 2**20:.2f} MiB by `shardpar estimate`; peak RSS per rank "
+        f"{min(r.rss_mib):.0f}-{max(r.rss_mib):.0f} MiB"
+    )
+    print(f"  loss curve:   {r.plot}")
+    print(f"  metrics:      {r.metrics}  (one JSON line per step)")
+    if r.checkpoint:
+        print(f"  checkpoint:   {r.checkpoint}")
+        print(f"                continue: torchrun --nproc-per-node {len(r.rss_mib)} recipes/train_causal_lm.py "
+              f"--config {r.out}/options.json --resume --steps {2 * len(r.losses)}")  # fmt: skip
+    print(f"  hf export:    {r.export or 'none (see the messages above)'}")
+    for note in r.notes:
+        print(f"  note:         {note.splitlines()[0]}")
+    if r.export:
+        print(f"                AutoModelForCausalLM.from_pretrained({r.export!r})")
+    if r.sample:
+        print("  sample:       " + r.sample.replace("\n", "\n                "))
+    return 0 if falling else 1
+
+
+# ---- estimate ------------------------------------------------------------------------------------
+
+
+def estimate(args: argparse.Namespace) -> int:
+    from shardpar import estimate as est
+
+    if args.reference:
+        return _reference_table(est)
+    shape = _shape(args, est)
+    world, device = _world_and_device(args, est)
+    tp = args.tp
+    if args.global_batch is not None:
+        tp = est.tp_from_global_batch(world, args.global_batch, args.batch, args.accum)
+        print(f"tp {tp}: global batch {args.global_batch} / (batch {args.batch} x accum {args.accum}) "
+              f"= {world // tp} data-parallel ranks of {world}")  # fmt: skip
+    setup = est.Setup(
+        sdp=args.sdp or 1, tp=tp, batch=args.batch, seq=args.seq, precision=args.precision,
+        activation_checkpointing=args.activation_checkpointing or args.activation_offloading,
+        activation_offloading=args.activation_offloading, flash_attention=not args.eager_attention,
+        optimizer=args.optimizer, max_live_parameters=int(args.max_live_parameters),
+        reduce_bucket_size=int(args.reduce_bucket_size), device=device,
+    )  # fmt: skip
+    print(f"{shape.name}: {shape.num_params:,} parameters, {shape.num_layers} layers, hidden {shape.hidden}; "
+          f"world {world}, tp {tp}, batch {args.batch} x seq {args.seq}, {args.precision}, {device}")  # fmt: skip
+    if args.sdp:
+        print(est.format_estimate(est.estimate(shape, setup)))
+        return 0
+    return _recommend(est, shape, setup, world)
+
+
+def _recommend(est: Any, shape: Any, setup: Any, world: int) -> int:
+    print("  sdp   per device")
+    for sdp in est.divisors(world // setup.tp):
+        e = est.estimate(shape, replace(setup, sdp=sdp))
+        print(f"  {sdp:4d} {e.total / est.GiB:9.2f} GiB  {'fits' if e.fits else '-'}")
+    best = est.smallest_fitting_sdp(shape, setup, world)
+    if best is not None:
+        print(f"smallest sharded_data_parallel_degree that fits: {best.setup.sdp}")
+        print(est.format_estimate(best))
+        return 0
+    print("nothing fits with these settings; smallest fitting sdp with other choices:")
+    for alt in est.alternatives(shape, setup, world):
+        s = alt.setup
+        print(f"  tp {s.tp}, sdp {s.sdp}, activation checkpointing {s.activation_checkpointing}, "
+              f"offloading {s.activation_offloading}: {alt.total / est.GiB:.2f} GiB")  # fmt: skip
+    return 1
+
+
+def _reference_table(est: Any) -> int:
+    print("reference 003 configurations (bf16, activation checkpointing) on their instances:")
+    for row in est.REFERENCE_ROWS:
+        shape = est.reference_shape(row.model)
+        tp = est.tp_from_global_batch(row.world, row.global_batch, row.mini_batch)
+        e = est.estimate(shape, row.setup(tp=tp))
+        best = est.smallest_fitting_sdp(shape, row.setup(tp=tp), row.world)
+        offload = " + offload" if row.offload else ""
+        print(
+            f"  {row.model} x{row.instances} {row.instance_type} seq {row.seq} batch {row.mini_batch} sdp {row.sdp} "
+            f"tp {tp}{offload}: {e.total / est.GiB:.1f} GiB -> {'fits' if e.fits else 'does NOT fit'}; "
+            f"smallest fitting sdp {best.setup.sdp if best else 'none'}"
+        )
+    return 0
+
+
+def _shape(args: argparse.Namespace, est: Any) -> Any:
+    threshold = int(args.persistence_threshold)
+    if args.params is not None:
+        return est.shape_from_num_params(
+            args.params, hidden=args.hidden, num_layers=args.layers, num_heads=args.heads, vocab=args.vocab
+        )
+    if args.hf_config is not None:
+        from transformers import AutoConfig
+
+        path = Path(args.hf_config)
+        cfg = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
+        return est.shape_from_hf_config(cfg, name=path.stem, persistence_threshold=threshold)
+    if args.model in est.REFERENCE_MODELS:
+        return est.reference_shape(args.model)
+    family, _, size = args.model.partition(":")
+    from shardpar.demo import recipe
+
+    cfg = recipe("models").hf_config(family, size or "tiny", seq=args.seq)
+    return est.shape_from_hf_config(cfg, name=args.model, persistence_threshold=threshold)
+
+
+def _world_and_device(args: argparse.Namespace, est: Any) -> tuple[int, str]:
+    if args.device is not None:
+        return args.gpus or 1, args.device
+    if args.instance not in est.INSTANCES:
+        raise ValueError(f"--instance {args.instance!r} is not one of {', '.join(est.INSTANCES)}; or give --device")
+    per, device = est.INSTANCES[args.instance]
+    return args.nodes * per, device
+
+
+# ---- env -----------------------------------------------------------------------------------------
 
 
 def env(args: argparse.Namespace) -> int:
     import torch
+    import torch.distributed as dist
 
     import shardpar
 
     print(f"shardpar {shardpar.__version__}  python {platform.python_version()}  torch {torch.__version__}")
-    print(f"cuda available: {torch.cuda.is_available()}")
+    print(
+        "packages:  "
+        + "  ".join(f"{n} {_version(n)}" for n in ("transformers", "tokenizers", "safetensors", "accelerate"))
+    )
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
+    print(f"cuda available: {torch.cuda.is_available()}" + (f" ({len(gpus)} x {gpus[0]})" if gpus else ""))
+    print(f"engines:   native (torch.distributed): gloo {dist.is_gloo_available()}, nccl {dist.is_nccl_available()}")
+    print(f"           smddp shared-memory extension: {_shm_status()}")
+    print(
+        f"features:  checkpoints {_has('shardpar.checkpoint')}, tensor parallelism {_has('shardpar.tensor_parallel')}"
+    )
     p = plan(args.world, args.tp, args.sdp, args.ranks_per_node)
     print(f"topology preview (world {p.world}, tp {p.tp}, sdp {p.sdp}, {p.ranks_per_node} ranks/node):")
     for kind in ("tp", "rdp", "sharding", "replication", "node"):
@@ -48,17 +186,80 @@ def env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "missing"
+
+
+def _has(module: str) -> str:
+    import importlib.util
+
+    return "yes" if importlib.util.find_spec(module) is not None else "not in this build"
+
+
+def _shm_status() -> str:
+    try:
+        from shardpar.collectives import shm
+    except ImportError as err:
+        return f"not in this build ({err})"
+    ok, why = shm.available()
+    return f"built (kernels: {shm.best_isa()})" if ok else f"NOT built: {why}"
+
+
+# ---- parser --------------------------------------------------------------------------------------
+
+
+def _estimate_parser(sub: Any) -> None:
+    e = sub.add_parser("estimate", help="per-device memory; the smallest sharding degree that fits")
+    what = e.add_mutually_exclusive_group()
+    what.add_argument(
+        "--model", default="gpt-neox-20b", help="gpt-neox-20b, gpt-neox-65b or FAMILY:SIZE (gpt_neox:tiny)"
+    )
+    what.add_argument("--hf-config", help="a Hugging Face config.json (or its directory)")
+    what.add_argument("--params", type=float, help="a bare parameter count, e.g. 20e9 (GPT-like shape)")
+    e.add_argument("--hidden", type=int)
+    e.add_argument("--layers", type=int)
+    e.add_argument("--heads", type=int)
+    e.add_argument("--vocab", type=int, default=50304)
+    e.add_argument("--instance", default="p4d.24xlarge", help="instance type (8 GPUs each)")
+    e.add_argument("--nodes", type=int, default=1)
+    e.add_argument("--device", help="instead of --instance: a100-40gb, h100-80gb, ... or cpu")
+    e.add_argument("--gpus", type=int, help="devices in all, with --device")
+    e.add_argument("--sdp", type=int, help="evaluate this degree (default: list all and recommend)")
+    e.add_argument("--tp", type=int, default=1)
+    e.add_argument("--global-batch", type=int, help="derive tp: world / (global batch / (batch x accum))")
+    e.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank (per TP group)")
+    e.add_argument("--accum", type=int, default=1)
+    e.add_argument("--seq", type=int, default=2048)
+    e.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    e.add_argument("--activation-checkpointing", action="store_true")
+    e.add_argument("--activation-offloading", action="store_true", help="implies checkpointing")
+    e.add_argument("--eager-attention", action="store_true", help="attention keeps the s x s scores")
+    e.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd-momentum", "sgd"))
+    e.add_argument("--max-live-parameters", type=float, default=1e9)
+    e.add_argument("--reduce-bucket-size", type=float, default=5e8)
+    e.add_argument("--persistence-threshold", type=float, default=1e6)
+    e.add_argument("--reference", action="store_true", help="check reference 003's configurations")
+    e.set_defaults(func=estimate)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardpar", description="MiCS-style sharded data parallelism")
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="run a short multi-rank job on this machine")
+    d = sub.add_parser("demo", help="train a tiny GPT-NeoX on local CPU ranks (about two minutes)")
     d.add_argument("--nprocs", type=int, default=4)
     d.add_argument("--sdp", type=int, default=2)
-    d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--steps", type=int, default=500)
     d.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    d.add_argument("--seq", type=int, default=64)
+    d.add_argument("--seq", type=int, default=128)
+    d.add_argument("--out", default="runs/demo", help="where metrics, plot, checkpoints and export go")
     d.set_defaults(func=demo)
-    e = sub.add_parser("env", help="versions and a topology preview")
+    _estimate_parser(sub)
+    e = sub.add_parser("env", help="versions, engines and a topology preview")
     e.add_argument("--world", type=int, default=8)
     e.add_argument("--tp", type=int, default=1)
     e.add_argument("--sdp", type=int, default=2)

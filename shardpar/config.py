@@ -14,12 +14,11 @@ import dataclasses
 import difflib
 import json
 import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 ENGINE_CHOICES = ("auto", "nccl", "smddp")
 SMDDP_BUFFER_ALIGN = 8192

@@ -1,0 +1,1 @@
+"""Training recipes built on shardpar (importable so `shardpar demo` and the tests share them)."""

@@ -1,0 +1,371 @@
+"""`shardpar estimate`: per-device memory of a sharded training job, and the smallest sharding degree
+that fits. Pure arithmetic on the model's *unit* sizes -- the same units, persistence split and
+padding that `DistributedModel` builds (units.py, layout.py) -- so model-state bytes match what a
+run keeps alive (tests/multiproc/test_recipe.py compares them with live tensors).
+
+Per device, with S = this rank's sharded elements (sum over units of ceil(numel / tp / sdp)) and
+P = persistent elements (numel < sdp_param_persistence_threshold, whole on every rank):
+
+    model states   (4 main + c compute copy [mixed only] + 4 main grad + k optimizer) x (S + P)
+    gathered       c x live elements: the root unit (gathered through forward) + the current unit
+                   + the prefetched next one while under sdp_max_live_parameters
+    unit grads     c x (root + largest unit): autograd grads before they are reduce-scattered
+    reduce bucket  r x min(all, sdp_reduce_bucket_size + largest unit)
+    activations    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+                   Models", eq. 2: per layer s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations; with
+                   tensor parallelism (no sequence parallelism) s*b*h*(10 + 24/t + 5*a*s/(h*t)).
+                   Flash/SDPA attention stores no s x s scores: the 5as/h term drops.
+                   Checkpointing keeps each layer's input (2sbh) plus one layer being recomputed;
+                   offloading moves the kept inputs to host memory (two stay in flight).
+                   Logits: b*s*V/t elements x (c logits + c grad + 4 fp32 loss working set).
+    framework      fixed: CUDA context, NCCL/SMDDP buffers, allocator slack (GPU); interpreter,
+                   torch and transformers (CPU)
+
+Peak = model states + framework + gathered + unit grads + kept activations + the larger working set:
+the logits at the end of forward, or one layer's recompute plus the reduce bucket in backward. Model states are
+exact for a given layout; the activation terms are the paper's estimates, not measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+GiB = 1024**3
+
+# instance type -> (devices per instance, device name)
+INSTANCES = {
+    "p4d.24xlarge": (8, "a100-40gb"),
+    "p4de.24xlarge": (8, "a100-80gb"),
+    "p5.48xlarge": (8, "h100-80gb"),
+    "p3.16xlarge": (8, "v100-16gb"),
+    "p3dn.24xlarge": (8, "v100-32gb"),
+    "g5.48xlarge": (8, "a10g-24gb"),
+}
+DEVICES = {
+    "a100-40gb": 40 * GiB,
+    "a100-80gb": 80 * GiB,
+    "h100-80gb": 80 * GiB,
+    "h200-141gb": 141 * 10**9,
+    "v100-16gb": 16 * GiB,
+    "v100-32gb": 32 * GiB,
+    "a10g-24gb": 24 * GiB,
+}
+GPU_FRAMEWORK_BYTES = 2 * GiB
+CPU_FRAMEWORK_BYTES = GiB // 2
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know about a model: dimensions and its units' parameter counts."""
+
+    name: str
+    hidden: int
+    num_layers: int
+    num_heads: int
+    vocab: int
+    unit_numels: tuple[int, ...]  # sharded elements per unit, root first
+    persistent_numel: int
+    buffer_bytes: int = 0
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.unit_numels) + self.persistent_numel
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A job: topology, batch, precision and the shardpar knobs that change memory."""
+
+    sdp: int = 1
+    tp: int = 1
+    batch: int = 1  # sequences per data-parallel rank (per TP group) per micro-step
+    seq: int = 2048
+    precision: str = "bf16"
+    activation_checkpointing: bool = False
+    activation_offloading: bool = False
+    flash_attention: bool = True
+    optimizer: str = "adamw"
+    reduce_dtype: str = "fp32"
+    max_live_parameters: int = int(1e9)
+    reduce_bucket_size: int = int(5e8)
+    device: str = "a100-40gb"  # a DEVICES key or "cpu"
+    device_bytes: int | None = None  # overrides the device's capacity
+
+    def __post_init__(self) -> None:
+        if self.precision not in DTYPE_BYTES:
+            raise ValueError(f"precision={self.precision!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(f"optimizer={self.optimizer!r} is not one of {sorted(OPTIMIZER_STATE_BYTES)}")
+        if self.device != "cpu" and self.device not in DEVICES and self.device_bytes is None:
+            raise ValueError(f"device={self.device!r} is not one of {sorted(DEVICES)} or 'cpu'; or give device_bytes")
+        if self.activation_offloading and not self.activation_checkpointing:
+            raise ValueError(
+                "activation offloading moves the checkpointed layer inputs: enable activation checkpointing"
+            )
+        for name in ("sdp", "tp", "batch", "seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def capacity(self) -> int | None:
+        if self.device_bytes is not None:
+            return self.device_bytes
+        return DEVICES.get(self.device)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    shape: ModelShape
+    setup: Setup
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def model_states(self) -> int:
+        return sum(v for k, v in self.parts.items() if k.startswith("model states"))
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool | None:
+        cap = self.setup.capacity
+        return None if cap is None else self.total <= cap
+
+
+# The models of reference 003's "Reference configurations" as GPT-NeoX config fields. 20B is
+# EleutherAI's published layout; the reference gives none for 65B, so it takes LLaMA-65B's width and
+# depth (8192 x 80, 64 heads) with GPT-NeoX's 4x MLP: 65.3B parameters.
+REFERENCE_MODELS: dict[str, dict[str, Any]] = {
+    "gpt-neox-20b": {"hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
+                     "intermediate_size": 24576, "rotary_pct": 0.25, "vocab_size": 50432},
+    "gpt-neox-65b": {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+                     "intermediate_size": 32768, "rotary_pct": 0.25, "vocab_size": 50432},
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ReferenceRow:
+    """One row of reference 003's tables (activation checkpointing on, as in SageMaker's examples)."""
+
+    model: str
+    instances: int
+    instance_type: str
+    seq: int
+    global_batch: int
+    mini_batch: int
+    sdp: int
+    tp: int = 1
+    offload: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.instances * INSTANCES[self.instance_type][0]
+
+    def setup(self, **changes: Any) -> Setup:
+        base = Setup(
+            sdp=self.sdp,
+            tp=self.tp,
+            batch=self.mini_batch,
+            seq=self.seq,
+            precision="bf16",
+            activation_checkpointing=True,
+            activation_offloading=self.offload,
+            device=INSTANCES[self.instance_type][1],
+        )
+        return replace(base, **changes)
+
+
+REFERENCE_ROWS = (
+    ReferenceRow("gpt-neox-20b", 2, "p4d.24xlarge", 2048, 64, 4, 16),
+    ReferenceRow("gpt-neox-20b", 8, "p4d.24xlarge", 2048, 768, 12, 32),
+    ReferenceRow("gpt-neox-65b", 64, "p4d.24xlarge", 2048, 512, 8, 16, tp=8, offload=True),
+    ReferenceRow("gpt-neox-65b", 64, "p4d.24xlarge", 4096, 512, 2, 64, tp=2, offload=True),
+)
+
+
+def reference_shape(name: str) -> ModelShape:
+    from transformers import GPTNeoXConfig
+
+    if name not in REFERENCE_MODELS:
+        raise ValueError(f"unknown reference model {name!r}; choose one of {', '.join(REFERENCE_MODELS)}")
+    cfg = GPTNeoXConfig(**REFERENCE_MODELS[name], max_position_embeddings=4096, tie_word_embeddings=False)
+    return shape_from_hf_config(cfg, name=name)
+
+
+# ---- model shapes --------------------------------------------------------------------------------
+
+
+def shape_from_module(module: Any, *, name: str = "model", persistence_threshold: int = int(1e6)) -> ModelShape:
+    """Exact unit sizes of an `nn.Module` (may live on the meta device), as DistributedModel splits it."""
+    from shardpar.units import plan_units
+
+    units = plan_units(module, None)
+    unit_numels, persistent = [], 0
+    for up in units:
+        small = sum(p.numel() for _, p in up.params if p.numel() < persistence_threshold)
+        persistent += small
+        unit_numels.append(sum(p.numel() for _, p in up.params) - small)
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    cfg = getattr(module, "config", None)
+    dims = _dims_of(cfg) if cfg is not None else (0, len(units) - 1, 1, 0)
+    return ModelShape(name, *dims, tuple(unit_numels), persistent, buffers)
+
+
+def shape_from_hf_config(config: Any, *, name: str | None = None, persistence_threshold: int = int(1e6)) -> ModelShape:
+    """Build the Hugging Face model on the meta device (no memory) and take its exact unit sizes."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(config)
+    label = name or str(getattr(config, "model_type", "model"))
+    return shape_from_module(module, name=label, persistence_threshold=persistence_threshold)
+
+
+def shape_from_num_params(
+    num_params: float, *, hidden: int | None = None, num_layers: int | None = None, num_heads: int | None = None,
+    vocab: int = 50304,
+) -> ModelShape:  # fmt: skip
+    """A GPT-like shape for a bare parameter count: 12h^2 per layer (4h^2 attention + 8h^2 MLP), untied
+    embeddings, and when the width is not given the GPT-3 family's depth ratio h / layers ~ 128."""
+    n = float(num_params)
+    if hidden is None:
+        hidden = max(128, round((n * 128 / 12) ** (1 / 3) / 128) * 128)
+    if num_layers is None:
+        num_layers = max(1, round((n - 2 * vocab * hidden) / (12 * hidden * hidden)))
+    heads = num_heads or max(1, hidden // 128)
+    units = (2 * vocab * hidden,) + (12 * hidden * hidden,) * num_layers
+    persistent = 13 * hidden * num_layers + 2 * hidden  # biases and layer norms stay whole
+    return ModelShape(f"{n / 1e9:.1f}B params", hidden, num_layers, heads, vocab, units, persistent)
+
+
+def _dims_of(cfg: Any) -> tuple[int, int, int, int]:
+    def first(*names: str) -> int:
+        return int(next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), 0))
+
+    return (
+        first("hidden_size", "n_embd", "d_model"),
+        first("num_hidden_layers", "n_layer", "num_layers"),
+        first("num_attention_heads", "n_head", "num_heads"),
+        first("vocab_size"),
+    )
+
+
+# ---- the estimate --------------------------------------------------------------------------------
+
+
+def estimate(shape: ModelShape, setup: Setup) -> Estimate:
+    c = DTYPE_BYTES[setup.precision]
+    r = DTYPE_BYTES[setup.reduce_dtype]
+    units = [math.ceil(n / setup.tp) for n in shape.unit_numels]  # TP splits every sharded unit
+    sharded = sum(math.ceil(n / setup.sdp) for n in units)
+    p = shape.persistent_numel
+    mixed = c != 4
+    parts = {
+        "model states: fp32 main parameters": 4 * (sharded + p),
+        "model states: compute-dtype copies": c * (sharded + p) if mixed else 0,
+        "model states: fp32 gradients": 4 * (sharded + p),
+        "model states: optimizer state": OPTIMIZER_STATE_BYTES[setup.optimizer] * (sharded + p),
+        "model states: buffers": shape.buffer_bytes,
+    }
+    root, layers = (units[0], units[1:]) if units else (0, [])
+    biggest = max(layers, default=0)
+    parts["gathered units"] = c * _peak_live(root, layers, setup.max_live_parameters)
+    parts["unit gradients"] = c * (root + biggest)
+    bucket = r * min(sum(units), setup.reduce_bucket_size + max(units, default=0))
+    kept, working, logits = _activations(shape, setup, c)
+    parts["activations kept for backward"] = kept
+    parts["working set: max(logits, layer + bucket)"] = max(logits, working + bucket)
+    parts["framework"] = CPU_FRAMEWORK_BYTES if setup.device == "cpu" else GPU_FRAMEWORK_BYTES
+    return Estimate(shape, setup, parts)
+
+
+def _peak_live(root: int, layers: list[int], cap: int) -> int:
+    """The scheduler's peak: root + current unit, plus the next unit when that stays under the cap."""
+    peak = root
+    for i, n in enumerate(layers):
+        nxt = layers[i + 1] if i + 1 < len(layers) else 0
+        live = root + n
+        peak = max(peak, live + nxt if live + nxt <= cap else live)
+    return peak
+
+
+def _activations(shape: ModelShape, setup: Setup, c: int) -> tuple[int, int, int]:
+    """(bytes kept across the whole pass, one layer's working set, logits working set)."""
+    s, b, h, t = setup.seq, setup.batch, shape.hidden, setup.tp
+    a, layers = max(1, shape.num_heads), shape.num_layers
+    sbh = s * b * h
+    scores = 0.0 if setup.flash_attention else 5 * a * s / (h * t)
+    scale = c / 2  # the paper's coefficients count 2-byte activations
+    per_layer = int(sbh * (10 + 24 / t + scores) * scale)
+    logits = int(s * b * math.ceil(shape.vocab / t) * (2 * c + 4))
+    if not setup.activation_checkpointing:
+        return layers * per_layer, 0, logits
+    kept_inputs = (min(2, layers) if setup.activation_offloading else layers) * sbh * c
+    return kept_inputs, per_layer, logits
+
+
+# ---- recommendations -----------------------------------------------------------------------------
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def smallest_fitting_sdp(shape: ModelShape, setup: Setup, world: int) -> Estimate | None:
+    """The fitting estimate with the smallest sdp dividing world / tp (reference 003: start small)."""
+    if world % setup.tp:
+        raise ValueError(f"tensor_parallel_degree={setup.tp} must divide the world size {world}")
+    for sdp in divisors(world // setup.tp):
+        est = estimate(shape, replace(setup, sdp=sdp))
+        if est.fits:
+            return est
+    return None
+
+
+def alternatives(shape: ModelShape, setup: Setup, world: int, tps: Iterable[int] = (1, 2, 4, 8)) -> list[Estimate]:
+    """When nothing fits: the smallest fitting sdp per (tp, checkpointing, offloading) variant."""
+    found: list[Estimate] = []
+    for tp in tps:
+        if world % tp:
+            continue
+        for ckpt, offload in (
+            (setup.activation_checkpointing, setup.activation_offloading),
+            (True, False),
+            (True, True),
+        ):
+            variant = replace(setup, tp=tp, activation_checkpointing=ckpt, activation_offloading=offload)
+            est = smallest_fitting_sdp(shape, variant, world)
+            if est is not None and all(e.setup != est.setup for e in found):
+                found.append(est)
+                break
+    return found
+
+
+def tp_from_global_batch(world: int, global_batch: int, batch: int, accum: int = 1) -> int:
+    """Reference 003: tensor parallelism lowers the global batch; tp = world / (global / (batch x accum))."""
+    if global_batch % (batch * accum):
+        raise ValueError(f"global batch {global_batch} is not a multiple of batch {batch} x accumulation {accum}")
+    rdp = global_batch // (batch * accum)
+    if rdp == 0 or world % rdp:
+        raise ValueError(
+            f"global batch {global_batch} / (batch {batch} x accumulation {accum}) = {rdp} data-parallel "
+            f"ranks must divide the world size {world}"
+        )
+    return world // rdp
+
+
+def format_estimate(est: Estimate) -> str:
+    cap = est.setup.capacity
+    lines = [f"  {k:42s} {v / GiB:9.2f} GiB" for k, v in est.parts.items() if v]
+    verdict = "" if cap is None else f" of {cap / GiB:.1f} GiB -> {'fits' if est.fits else 'does NOT fit'}"
+    lines.append(f"  {'total per device':42s} {est.total / GiB:9.2f} GiB{verdict}")
+    return "\n".join(lines)
