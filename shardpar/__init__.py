@@ -6,13 +6,10 @@ smp.init({"sharded_data_parallel_degree": 2})
 
 from shardpar.api import (
     CommGroup,
-    DistributedModel,
-    DistributedOptimizer,
     allgather,
     barrier,
     broadcast,
     comm_stats,
-    delay_param_initialization,
     device,
     dp_rank,
     dp_size,
@@ -26,16 +23,11 @@ from shardpar.api import (
     rank,
     rdp_rank,
     rdp_size,
-    register_parameter,
     replica_rank,
-    resume_from_checkpoint,
-    save_checkpoint,
     sdp_rank,
     sdp_size,
     shutdown,
     size,
-    step,
-    tensor_parallelism,
     tp_rank,
     tp_size,
 )
@@ -43,6 +35,16 @@ from shardpar.checkpoint import CheckpointError
 from shardpar.config import Config
 from shardpar.step import StepOutput
 from shardpar.topology import Plan, Topology, plan
+from shardpar.training import (
+    DistributedModel,
+    DistributedOptimizer,
+    delay_param_initialization,
+    register_parameter,
+    resume_from_checkpoint,
+    save_checkpoint,
+    step,
+    tensor_parallelism,
+)
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,185 @@
+"""The `smp` facade, training half: DistributedModel, DistributedOptimizer, step, register_parameter,
+tensor_parallelism, delay_param_initialization and checkpoints. The process-wide state these read
+and fill lives in api.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardpar import checkpoint as _checkpoint
+from shardpar.api import _REGISTERED, _TP_MARKS, state
+from shardpar.deferred_init import deferred_init
+from shardpar.model import DistributedModel as _DistributedModel
+from shardpar.optimizer import DistributedOptimizer as _DistributedOptimizer
+from shardpar.precision import make_loss_scaler
+from shardpar.step import StepOutput, make_step
+from shardpar.tensor_parallel.marks import TPOptions
+from shardpar.tensor_parallel.marks import prepare_model as prepare_tensor_parallel
+
+# ---- model, optimizer, step ----------------------------------------------------------------------
+
+
+def register_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Make `param` (owned by another module) available, gathered, during `module`'s forward."""
+    if not isinstance(param, nn.Parameter):
+        raise TypeError(f"register_parameter needs an nn.Parameter, got {type(param).__name__}")
+    params = _REGISTERED.setdefault(module, [])
+    if all(p is not param for p in params):
+        params.append(param)
+
+
+def DistributedModel(
+    module: nn.Module,
+    *,
+    backward_passes_per_step: int = 1,
+    wrap: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
+    tensor_parallelism: bool = False,
+) -> _DistributedModel:
+    """Shard `module` over the sharding group (reference 003); returns the wrapped model.
+
+    With `tensor_parallelism=True`, or for a model built under `smp.tensor_parallelism()`, the Hugging
+    Face model's blocks and embeddings are first split in place over the TP group; each TP rank then
+    shards its local parameters inside its sharding group (docs/tensor_parallelism.md).
+    """
+    st = state()
+    if isinstance(module, _DistributedModel):
+        raise ValueError("the module is already a DistributedModel; wrap the plain module once")
+    module = prepare_tensor_parallel(
+        module,
+        requested=tensor_parallelism,
+        marks=_TP_MARKS,
+        config=st.config,
+        topology=st.topology,
+        engine=st.engine,
+    )
+    registered = {id(m): list(ps) for m, ps in _REGISTERED.items()}
+    model = _DistributedModel(
+        module.to(st.device) if not _has_meta_tensors(module) else module,
+        config=st.config,
+        topology=st.topology,
+        engine=st.engine,
+        backward_passes_per_step=backward_passes_per_step,
+        wrap=wrap,
+        registered=registered,
+        device=st.device,
+    )
+    st.model = model
+    return model
+
+
+def _has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def tensor_parallelism(enabled: bool = True, *, vocab_parallel_loss: bool = False) -> AbstractContextManager[None]:
+    """Modules built inside are split over the TP group when `smp.DistributedModel` wraps them
+    (GPT-NeoX, Llama, GPT-2); nest `enabled=False` to keep a part replicated. `vocab_parallel_loss`:
+    the LM head returns this rank's vocabulary slice of the logits and the model's loss is the
+    vocab-parallel cross-entropy (otherwise the logits are all-gathered)."""
+    return _TP_MARKS.building(TPOptions(enabled=enabled, vocab_parallel_loss=vocab_parallel_loss))
+
+
+def delay_param_initialization() -> AbstractContextManager[None]:
+    """Build a model inside this context to create no parameter memory: each rank later materialises
+    only its shards (one full parameter at a time), with the values a normal init would give."""
+    return deferred_init()
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    static_loss_scale: float = 1.0,
+    dynamic_loss_scale: bool = False,
+    dynamic_loss_args: dict[str, Any] | None = None,
+    *,
+    model: _DistributedModel | None = None,
+) -> _DistributedOptimizer:
+    """Re-point `optimizer` at the local main shards. Clipping (sdp_gradient_clipping) and, with fp16,
+    loss scaling run inside step(): static, or dynamic with `dynamic_loss_args` keys init_scale,
+    scale_factor, scale_window, min_scale, delayed_shift, consecutive_hysteresis."""
+    st = state()
+    model = model or st.model
+    if model is None:
+        raise ValueError("smp.DistributedOptimizer needs a model: call smp.DistributedModel(model) first")
+    scaler = make_loss_scaler(
+        model.policy,
+        static_loss_scale=static_loss_scale,
+        dynamic_loss_scale=dynamic_loss_scale,
+        dynamic_loss_args=dynamic_loss_args,
+    )
+    opt = _DistributedOptimizer(optimizer, model, clip_norm=st.config.sdp_gradient_clipping, loss_scaler=scaler)
+    st.optimizer = opt
+    return opt
+
+
+def step(fn: Callable[..., Any]) -> Callable[..., StepOutput]:
+    """Decorator: run `fn` once per micro-batch (config `microbatches`) and return a StepOutput."""
+    return make_step(
+        fn,
+        find_model=lambda: state().model,
+        microbatches=lambda: state().config.microbatches,
+    )
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    tag: str,
+    partial: bool = True,
+    model: _DistributedModel | None = None,
+    optimizer: _DistributedOptimizer | None = None,
+    user_content: Any = None,
+    translate_if_full: bool = True,
+    num_kept_partial_checkpoints: int | None = None,
+) -> None:
+    """SMP v1 semantics: `partial=True` writes each shard once (replica 0), resumable under another
+    topology; `partial=False` writes a Hugging Face directory. Atomic: `newest` moves last."""
+    st = state()
+    model = model or st.model
+    if model is None:
+        raise ValueError("smp.save_checkpoint needs a model: call smp.DistributedModel(model) first")
+    _checkpoint.save_checkpoint(
+        path,
+        tag,
+        model=model,
+        optimizer=optimizer or st.optimizer,
+        topology=st.topology,
+        engine=st.engine,
+        partial=partial,
+        user_content=user_content,
+        translate_if_full=translate_if_full,
+        num_kept_partial_checkpoints=num_kept_partial_checkpoints,
+    )
+
+
+def resume_from_checkpoint(
+    path: str | os.PathLike[str],
+    tag: str | None = None,
+    partial: bool = True,
+    strict: bool = True,
+    load_optimizer: bool = True,
+) -> Any:
+    """Load the checkpoint `tag` (None: the newest) into the model and optimizer built before this
+    call, resharding when the topology changed; returns the saved user_content."""
+    st = state()
+    if st.model is None:
+        raise ValueError("smp.resume_from_checkpoint needs the DistributedModel (and optimizer) built first")
+    return _checkpoint.resume_from_checkpoint(
+        path,
+        tag,
+        model=st.model,
+        optimizer=st.optimizer,
+        topology=st.topology,
+        engine=st.engine,
+        partial=partial,
+        strict=strict,
+        load_optimizer=load_optimizer,
+    )
