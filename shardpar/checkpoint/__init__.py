@@ -23,6 +23,7 @@ import torch
 
 from shardpar.checkpoint import atomic
 from shardpar.checkpoint import full as _full
+from shardpar.checkpoint import full_load as _full_load
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint import partial as _partial
 from shardpar.checkpoint import reshard as _reshard
@@ -31,19 +32,12 @@ from shardpar.checkpoint.safetensors_io import CheckpointError, check_file
 from shardpar.collectives import Engine
 from shardpar.model import DistributedModel
 from shardpar.optimizer import DistributedOptimizer
+from shardpar.tensor_parallel.comm import TPComm
 from shardpar.topology import Topology
 
 __all__ = ["CheckpointError", "load_consolidated", "resume_from_checkpoint", "save_checkpoint"]
 
 PathLike = str | os.PathLike[str]
-
-
-def _check_topology(topology: Topology) -> None:
-    if topology.plan.tp > 1:
-        raise ValueError(
-            f"checkpoints with tensor_parallel_degree={topology.plan.tp} are not supported yet; "
-            "save with tensor_parallel_degree=1"
-        )
 
 
 def save_checkpoint(
@@ -65,14 +59,15 @@ def save_checkpoint(
 
     partial=True: every shard once (replica 0 writes), optimizer state, loss scaler, RNG and
     `user_content` (JSON, tuples, tensors; rank 0's value), resumable under any topology; keeps the
-    `num_kept_partial_checkpoints` newest partial checkpoints when set. partial=False: the
-    consolidated model as a Hugging Face directory (config.json when `translate_if_full` and the
-    model is a PreTrainedModel); `max_shard_size` (bytes) splits it into HF's sharded layout and
-    `full_dtype` casts it (default fp32). Nothing is visible under the final name until every rank
-    finished; a crash leaves the previous checkpoint and the `newest` pointer untouched.
+    `num_kept_partial_checkpoints` newest partial checkpoints when set; TP-split parameters are stored
+    in full-parameter coordinates, so any tensor-parallel degree resumes them. partial=False: the
+    consolidated model as a Hugging Face directory, in the original layout under tensor parallelism
+    (config.json when `translate_if_full` and the model is a PreTrainedModel); `max_shard_size`
+    (bytes) splits it into HF's sharded layout and `full_dtype` casts it (default fp32). Nothing is
+    visible under the final name until every rank finished; a crash leaves the previous checkpoint
+    and the `newest` pointer untouched.
     """
     atomic.check_tag(tag)
-    _check_topology(topology)
     if num_kept_partial_checkpoints is not None and num_kept_partial_checkpoints < 1:
         raise ValueError(
             f"num_kept_partial_checkpoints={num_kept_partial_checkpoints} must be >= 1 (or None: keep all)"
@@ -135,9 +130,17 @@ def _save_full(
     files = _full.split_files(items, max_shard_size)
     sink = _full.Sink(tmp, files, {"format": "pt", "checkpoint_id": checkpoint_id}) if coord.is_root else None
 
+    coords = model.topology.coords
+    # The TP group of rank 0 (rdp rank 0) rebuilds the TP-split parameters for rank 0 to write.
+    tp = (
+        TPComm(model.engine, model.topology.tp, coords.tp_rank)
+        if model.topology.plan.tp > 1 and coords.rdp_rank == 0
+        else None
+    )
+
     def stream() -> None:
-        if model.topology.coords.replica == 0:
-            _full.stream_units(model, items, sink)
+        if coords.replica == 0:
+            _full.stream_units(model, items, sink, tp)
         if sink is not None:
             sink.finish()
 
@@ -177,10 +180,10 @@ def resume_from_checkpoint(
     tag None reads the `newest` pointer (`newest_full` with partial=False). Every file this rank
     needs is checked against the index first (present, complete, same checkpoint, same tensors) and
     the ranks agree before anything is loaded: a bad checkpoint raises CheckpointError naming the
-    file and the problem on every rank, leaving model and optimizer untouched. The RNG state is
-    restored when the world size is unchanged. A full checkpoint restores the model only.
+    file and the problem on every rank, leaving model and optimizer untouched. Any (world, tp, sdp)
+    resumes any partial checkpoint (see placement.py). The RNG state is restored when the world size
+    and the tensor-parallel degree are unchanged. A full checkpoint restores the model only.
     """
-    _check_topology(topology)
     root, coord = Path(path), Coordinator(topology, engine)
     if partial:
         job: _reshard.LoadJob | None = None
@@ -197,12 +200,12 @@ def resume_from_checkpoint(
         if job is None:
             raise AssertionError("checked load job missing")
         return job.apply()
-    load: _full.FullLoad | None = None
+    load: _full_load.FullLoad | None = None
 
     def check_full() -> None:
         nonlocal load
         name = tag if tag is not None else atomic.read_pointer(root, "newest_full")
-        load = _full.FullLoad.check(root / name, model, strict)
+        load = _full_load.FullLoad.check(root / name, model, strict)
 
     coord.gather("resume_from_checkpoint(partial=False)", check_full)
     if load is None:
@@ -214,7 +217,8 @@ def load_consolidated(path: PathLike, tag: str | None = None) -> Iterator[tuple[
     """Offline, one process: (name, full tensor) of every parameter and buffer of a partial checkpoint.
 
     The conversion ZeRO-3 users run by hand, needed here only to leave shardpar: `dict(...)` of it
-    is the unwrapped model's state_dict (tied parameters under their first name).
+    is the unwrapped model's state_dict (tied parameters under their first name); TP-split
+    parameters come back in the original (Hugging Face) layout, whatever tensor parallelism saved them.
     """
     root = Path(path)
     name = tag if tag is not None else atomic.read_pointer(root, "newest")

@@ -6,40 +6,40 @@
         model-00001-of-0000N.safetensors ...    + model.safetensors.index.json (HF's sharded layout)
         shardpar_full.json                      manifest: file sizes, checkpoint id, user_content
 
-Only replica 0's sharding group works: it AllGathers one unit at a time (fp32 main shards) and
-rank 0 writes that unit's tensors straight into the pre-computed safetensors layout, so no rank ever
-holds more than one unit's full parameters. Keys are the unwrapped model's state_dict keys, with
-tied aliases dropped the way `save_pretrained` drops them, so `from_pretrained(dir)` reports no
-missing keys. Optimizer state is not part of a full checkpoint (use partial=True to resume training).
+Only replica 0's sharding groups work: each AllGathers one unit at a time (fp32 main shards); with
+tensor parallelism the TP group of rank 0 then AllGathers that unit over TP and rebuilds every
+TP-split parameter in the original layout (TPSplit.full_of). Rank 0 writes the unit's tensors
+straight into the pre-computed safetensors layout, so no rank ever holds more than one unit's full
+parameters (times tp). Keys are the unwrapped model's state_dict keys, with tied aliases dropped the
+way `save_pretrained` drops them, so `from_pretrained(dir)` reports no missing keys and builds the
+unconverted model. Optimizer state is not part of a full checkpoint (use partial=True to resume
+training). Loading is full_load.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
+import math
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from shardpar.checkpoint import index as ix
-from shardpar.checkpoint.pieces import persistent_buffers, slots
+from shardpar.checkpoint.pieces import persistent_buffers
+from shardpar.checkpoint.placement import Cut
 from shardpar.checkpoint.safetensors_io import (
-    CheckpointError,
     SafetensorsWriter,
     TensorEntry,
-    check_file,
-    misfit,
-    read_header,
 )
 from shardpar.model import DistributedModel
+from shardpar.tensor_parallel.comm import TPComm
+from shardpar.tensor_parallel.layers import tp_split_table
+from shardpar.tensor_parallel.split import TPSplit
 
 MANIFEST = "shardpar_full.json"
 FULL_FORMAT = "shardpar.full"
@@ -56,7 +56,8 @@ class Item:
     unit: int  # unit index ("unit"), else -1
     pos: int  # spec index in the unit / index in the persistent set / -1
     name: str  # FQN or buffer name
-    entry: TensorEntry
+    entry: TensorEntry  # the full (Hugging Face) shape
+    split: TPSplit | None = None  # how TP ranks' local parameters make up this one; None: replicated
 
 
 def _tied_patterns(module: nn.Module) -> list[str]:
@@ -101,12 +102,14 @@ def plan_items(model: DistributedModel, dtype: torch.dtype | None) -> list[Item]
             where[id(p)] = ("unit", u.index, j, spec.fqn, spec.shape)
     for i, (name, p) in enumerate(model.persistent.named):
         where[id(p)] = ("persistent", -1, i, name, tuple(p.shape))
-    buffers = persistent_buffers(model)
+    buffers, splits = persistent_buffers(model), tp_split_table(model.module)
     items = []
     for key, value in export_keys(model.module).items():
         if id(value) in where:
             source, unit, pos, name, shape = where[id(value)]
-            items.append(Item(key, source, unit, pos, name, TensorEntry(key, dtype or torch.float32, shape)))
+            split = splits.get(name)
+            full = Cut.of(shape, split).full_shape
+            items.append(Item(key, source, unit, pos, name, TensorEntry(key, dtype or torch.float32, full), split))
         elif key in buffers:
             items.append(Item(key, "buffer", -1, -1, key, TensorEntry(key, value.dtype, tuple(value.shape))))
     rank = {"unit": 0, "persistent": 1, "buffer": 2}
@@ -180,8 +183,9 @@ class Sink:
         return self.sizes
 
 
-def stream_units(model: DistributedModel, items: list[Item], sink: Sink | None) -> None:
-    """Replica 0's sharding group: AllGather unit by unit; rank 0 (`sink`) writes as it goes."""
+def stream_units(model: DistributedModel, items: list[Item], sink: Sink | None, tp: TPComm | None) -> None:
+    """Replica 0's sharding groups: AllGather unit by unit; the TP group of rank 0 (`tp`; None without
+    tensor parallelism and on the other ranks) then AllGathers it over TP; rank 0 (`sink`) writes."""
     by_unit: dict[int, list[Item]] = {}
     for it in items:
         by_unit.setdefault(it.unit, []).append(it)
@@ -190,19 +194,40 @@ def stream_units(model: DistributedModel, items: list[Item], sink: Sink | None) 
             continue
         full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
         model.engine.all_gather(full, unit.main_shard, unit.comm.sharding)
+        per_tp = _over_tp(full, tp)
         if sink is not None:
             for it in by_unit.get(unit.index, []):
                 spec = unit.layout.specs[it.pos]
-                sink.write(it.key, full[spec.offset : spec.offset + spec.numel].view(spec.shape).to(it.entry.dtype))
-        del full  # [memory] one unit's full parameters at a time
+                sink.write(it.key, _original(it, per_tp, spec.offset, spec.shape))
+        del full, per_tp  # [memory] one unit's full parameters (times tp) at a time
+    if sink is None and tp is None:
+        return
+    persistent = _over_tp(model.persistent.main, tp)
     if sink is None:
         return
     buffers = persistent_buffers(model)
     for it in items:
         if it.source == "persistent":
-            sink.write(it.key, model.persistent.main_view(it.pos).to(it.entry.dtype))
+            p = model.persistent.params[it.pos]
+            sink.write(it.key, _original(it, persistent, model.persistent.offsets[it.pos], tuple(p.shape)))
         elif it.source == "buffer":
             sink.write(it.key, buffers[it.name])
+
+
+def _over_tp(flat: torch.Tensor, tp: TPComm | None) -> torch.Tensor:
+    """[tp, n]: every TP rank's `flat`, in TP-rank order ([1, n] without TP). The TP ranks' units have
+    identical layouts (equal local shapes), so one AllGather moves a whole unit."""
+    if tp is None or flat.numel() == 0:
+        return flat.unsqueeze(0)
+    return tp.all_gather_stack(flat)
+
+
+def _original(it: Item, per_tp: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Item `it` in the Hugging Face layout from its TP ranks' local values at `offset` of `per_tp`."""
+    numel = math.prod(shape)
+    local = [row[offset : offset + numel].view(shape) for row in per_tp]
+    value = local[0] if it.split is None else it.split.full_of(local)  # replicated: TP rank 0's copy
+    return value.to(it.entry.dtype)
 
 
 def write_hf_config(module: nn.Module, directory: Path, dtype: torch.dtype) -> None:
@@ -238,143 +263,3 @@ def hf_index(files: list[tuple[str, list[Item]]]) -> dict[str, Any]:
         "metadata": {"total_size": total},
         "weight_map": {it.key: name for name, items in files for it in items},
     }
-
-
-# ---- load -----------------------------------------------------------------------------------------
-
-
-@dataclass
-class FullLoad:
-    directory: Path
-    model: DistributedModel
-    strict: bool
-    where: dict[str, str]  # state_dict key -> file name
-    user_content: Any = None
-    num_backward: int | None = None
-
-    @classmethod
-    def check(cls, directory: Path, model: DistributedModel, strict: bool) -> FullLoad:
-        """Validate the directory against its manifest and the model; nothing is loaded here."""
-        if not directory.is_dir():
-            raise CheckpointError(f"{directory}: checkpoint directory is missing")
-        info = _read_manifest(directory)
-        names = _weight_files(directory)
-        if info and set(info["files"]) != set(names):
-            odd = sorted(set(info["files"]) ^ set(names))
-            raise CheckpointError(f"{directory}: the manifest and the weight files disagree about {odd}")
-        where: dict[str, str] = {}
-        shapes: dict[str, tuple[int, ...]] = {}
-        for name in names:
-            label = f"{directory}/{name}"
-            recorded = info["files"].get(name, {}).get("bytes") if info else None
-            meta = {"checkpoint_id": info["checkpoint_id"]} if info else {}
-            check_file(directory / name, label=label, expect_bytes=recorded, expect_tensors={}, expect_metadata=meta)
-            for key, (_, shape) in read_header(directory / name, label=label).tensors.items():
-                where[key], shapes[key] = name, shape
-        load = cls(directory, model, strict, where)
-        load._match(shapes)
-        if info:
-            load.user_content = ix.decode(info["user_content"])
-            load.num_backward = info.get("num_backward")
-        return load
-
-    def _aliases(self) -> Iterator[tuple[Any, list[str], tuple[int, ...]]]:
-        names: dict[int, list[str]] = {}
-        for n, p in self.model.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(n)
-        for s in slots(self.model):
-            yield s, names[id(s.param)], s.full_shape
-
-    def key_of(self, aliases: list[str]) -> str | None:
-        return next((a for a in aliases if a in self.where), None)
-
-    def _match(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        problems: list[str] = []
-        used: set[str] = set()
-        for _, aliases, shape in self._aliases():
-            key = self.key_of(aliases)
-            if key is None:
-                if self.strict:
-                    problems.append(f"{aliases[0]}: in the model, not in the checkpoint")
-                continue
-            used.update(a for a in aliases if a in self.where)
-            if shapes[key] != shape:
-                problems.append(f"{key}: shape {list(shape)} in the model, {list(shapes[key])} in the checkpoint")
-        buffers = persistent_buffers(self.model)
-        used.update(b for b in buffers if b in self.where)
-        if self.strict:
-            problems += [f"buffer {b}: not in the checkpoint" for b in buffers if b not in self.where]
-            problems += [f"{k}: in the checkpoint, not in the model" for k in self.where if k not in used]
-        if problems:
-            raise misfit(self.directory, problems)
-
-    def apply(self) -> Any:
-        with torch.no_grad(), _Files(self.directory) as files:
-            for s, aliases, _ in self._aliases():
-                key = self.key_of(aliases)
-                if key is not None and s.length:
-                    s.value.copy_(_read_flat(files.get(self.where[key]), key, s.start, s.length).view(s.shape))
-            for name, buf in persistent_buffers(self.model).items():
-                if name in self.where:
-                    buf.copy_(files.get(self.where[name]).get_tensor(name))
-        for unit in self.model.units:
-            unit.refresh_compute()
-        self.model.persistent.refresh_compute()
-        if self.num_backward is not None:
-            self.model.num_backward = int(self.num_backward)
-        return self.user_content
-
-
-class _Files(contextlib.ExitStack):
-    """safetensors handles of a directory, each opened once, all closed on exit."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__()
-        self.directory = directory
-        self._open: dict[str, Any] = {}
-
-    def get(self, name: str) -> Any:
-        if name not in self._open:
-            self._open[name] = self.enter_context(safe_open(self.directory / name, framework="pt"))
-        return self._open[name]
-
-
-def _read_flat(handle: Any, key: str, start: int, length: int) -> torch.Tensor:
-    """Flat elements [start, start + length) of a saved tensor, reading only the rows that hold them."""
-    sl = handle.get_slice(key)
-    shape = sl.get_shape()
-    if len(shape) <= 1:
-        part = sl[start : start + length] if shape else handle.get_tensor(key)
-        return part.reshape(-1).float()
-    row = 1
-    for d in shape[1:]:
-        row *= d
-    first, last = start // row, -(-(start + length) // row)
-    rows = sl[first:last].reshape(-1)
-    return rows[start - first * row : start - first * row + length].float()
-
-
-def _read_manifest(directory: Path) -> dict[str, Any] | None:
-    path = directory / MANIFEST
-    if not path.is_file():
-        return None  # a plain Hugging Face directory: checked by its headers only
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}); the file is truncated or corrupt") from None
-    if not isinstance(info, dict) or info.get("format") != FULL_FORMAT:
-        raise CheckpointError(f"{path}: not a shardpar full checkpoint manifest")
-    return info
-
-
-def _weight_files(directory: Path) -> list[str]:
-    index_path = directory / HF_INDEX
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: corrupt index ({e})") from None
-        return sorted(set(weight_map.values()))
-    if (directory / SINGLE_FILE).is_file():
-        return [SINGLE_FILE]
-    raise CheckpointError(f"{directory}: neither {SINGLE_FILE} nor {HF_INDEX} is present")

@@ -4,18 +4,24 @@
         index.json               this file's schema (below); written last, inside the temporary dir
         shard-00000.safetensors  rank 0 (replica 0): its pieces of every sharded parameter, plus the
                                  persistent parameters and buffers (written once)
-        shard-00001.safetensors  rank 1, if it is in replica 0; other replicas write nothing
+        shard-00001.safetensors  rank 1, if it is in replica 0; other replicas write nothing (with
+                                 tp > 1, rank r < tp also writes TP rank r's persistent TP-split ones)
         rng.safetensors          every rank's RNG state (gathered to rank 0)
 
-A sharded parameter is stored as the pieces its writers own: piece (file, start, length) holds flat
-elements [start, start + length) of the flattened parameter under `param/<fqn>`, and the optimizer
-state of those elements under `optim/<state name>/<fqn>`. Any reader topology rebuilds its own
-slices from the pieces by offset arithmetic (`overlaps`), reading only the ranges it needs.
+A sharded parameter is stored as the pieces its writers own: piece (file, start, length, tp_rank)
+holds flat elements [start, start + length) of TP rank tp_rank's flattened local parameter under
+`param/<fqn>`, and the optimizer state of those elements under `optim/<state name>/<fqn>`. `shape`
+is the full (Hugging Face) shape; `tp` (absent when the parameter is not TP-split) says how each TP
+rank's local tensor maps into it (placement.Cut, [Note: full-parameter coordinates]). TP-replicated
+parameters are written by TP rank 0 only. Any reader topology (world, sdp and tp) rebuilds its own
+slices from the pieces by offset arithmetic (`overlaps`, placement.plan_fetch), reading only the
+ranges it needs.
 
     index.json = {format, version, tag, checkpoint_id, saved_at_ns, step, num_backward,
                   topology: {world, tp, sdp, ranks_per_node},
                   files:   {name: {bytes, tensors: {key: [dtype, shape]}}},
-                  params:  {fqn: {shape, dtype, pieces: [[file, start, length], ...]}},
+                  params:  {fqn: {shape, dtype, tp?: {dim, size, num_parts},
+                                  pieces: [[file, start, length, tp_rank], ...]}},
                   buffers: {name: {file, dtype, shape}},
                   optimizer: null | {class, param_groups: [{params: [fqn...], options}],
                                      state: {fqn: {tensors: {name: dtype}, scalars: {name: value}}}},
@@ -33,10 +39,12 @@ from typing import Any
 
 import torch
 
+from shardpar.checkpoint.placement import Cut
 from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name, dtype_of
 
 FORMAT = "shardpar.partial"
-VERSION = 1
+VERSION = 2  # 2: pieces carry a TP rank, params a `tp` cut; version 1 (no tensor parallelism) still reads
+READS_VERSIONS = (1, 2)
 INDEX_NAME = "index.json"
 RNG_FILE = "rng.safetensors"
 PARTIAL_SUFFIX = "_partial"
@@ -113,18 +121,35 @@ class Piece:
     file: str
     start: int
     length: int
+    tp_rank: int = 0
 
 
 def pieces_of(index: dict[str, Any], fqn: str) -> list[Piece]:
-    return [Piece(str(f), int(s), int(n)) for f, s, n in index["params"][fqn]["pieces"]]
+    return [
+        Piece(str(p[0]), int(p[1]), int(p[2]), int(p[3]) if len(p) > 3 else 0) for p in index["params"][fqn]["pieces"]
+    ]
 
 
-def overlaps(pieces: list[Piece], start: int, length: int) -> Iterator[tuple[Piece, int, int]]:
-    """(piece, lo, hi): the part [lo, hi) of the wanted range [start, start + length) each piece holds."""
+def cut_of(entry: dict[str, Any]) -> Cut:
+    """How the saved parameter was cut over TP ranks (Cut of its full shape; size 1: not split)."""
+    shape = tuple(int(d) for d in entry["shape"])
+    tp = entry.get("tp")
+    if not tp:
+        return Cut(shape)
+    return Cut(shape, int(tp["dim"]), int(tp["size"]), int(tp["num_parts"]))
+
+
+def cut_entry(cut: Cut) -> dict[str, int] | None:
+    return None if cut.size == 1 else {"dim": cut.dim, "size": cut.size, "num_parts": cut.num_parts}
+
+
+def overlaps(pieces: list[Piece], tp_rank: int, start: int, length: int) -> Iterator[tuple[Piece, int, int]]:
+    """(piece, lo, hi): the part [lo, hi) of TP rank `tp_rank`'s wanted local range [start, start + length)
+    each piece holds."""
     end = start + length
     for p in pieces:
         lo, hi = max(start, p.start), min(end, p.start + p.length)
-        if lo < hi:
+        if p.tp_rank == tp_rank and lo < hi:
             yield p, lo, hi
 
 
@@ -148,8 +173,10 @@ def read_index(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{label}: not valid JSON ({e}); the file is truncated or corrupt") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"{label}: not a shardpar partial checkpoint index (format {FORMAT!r} expected)")
-    if index.get("version") != VERSION:
-        raise CheckpointError(f"{label}: index version {index.get('version')!r}; this shardpar reads {VERSION}")
+    if index.get("version") not in READS_VERSIONS:
+        raise CheckpointError(
+            f"{label}: index version {index.get('version')!r}; this shardpar reads versions {list(READS_VERSIONS)}"
+        )
     check_index(index, label)
     return index
 
@@ -173,28 +200,45 @@ def _check_index(index: dict[str, Any], label: str) -> None:
     files = index["files"]
     state = (index.get("optimizer") or {}).get("state", {})
     for fqn, entry in index["params"].items():
-        numel, pos = numel_of(entry["shape"]), 0
-        for piece in sorted(pieces_of(index, fqn), key=lambda p: p.start):
-            _expect(piece.start == pos, label, f"parameter {fqn!r}: elements [{pos}, {piece.start}) have no piece")
-            _expect(piece.file in files, label, f"parameter {fqn!r}: piece file {piece.file!r} is not in 'files'")
-            tensors = files[piece.file]["tensors"]
-            wanted = {param_key(fqn): entry["dtype"]}
-            wanted.update({state_key(k, fqn): d for k, d in state.get(fqn, {}).get("tensors", {}).items()})
-            for key, dtype in wanted.items():
-                got = tensors.get(key)
-                _expect(
-                    got is not None and got[0] == dtype and list(got[1]) == [piece.length],
-                    label,
-                    f"{piece.file} should hold {key!r} as {dtype} [{piece.length}], the table says {got}",
-                )
-            pos += piece.length
-        _expect(pos == numel, label, f"parameter {fqn!r}: pieces cover {pos} of {numel} elements")
+        try:
+            cut = cut_of(entry)
+        except AssertionError as e:
+            raise CheckpointError(f"{label}: parameter {fqn!r}: impossible tp cut ({e})") from None
+        pieces = pieces_of(index, fqn)
+        odd = sorted({p.tp_rank for p in pieces} - set(range(cut.size)))
+        _expect(not odd, label, f"parameter {fqn!r}: pieces of TP rank {odd} in a cut over {cut.size} TP ranks")
+        wanted = {param_key(fqn): entry["dtype"]}
+        wanted.update({state_key(k, fqn): d for k, d in state.get(fqn, {}).get("tensors", {}).items()})
+        for tp_rank in range(cut.size):
+            mine = sorted((p for p in pieces if p.tp_rank == tp_rank), key=lambda p: p.start)
+            where = f"parameter {fqn!r}" + (f" (TP rank {tp_rank} of {cut.size})" if cut.size > 1 else "")
+            _check_cover(mine, cut.local_numel, wanted, files, label, where)
     for name, entry in index["buffers"].items():
         got = files.get(entry["file"], {}).get("tensors", {}).get(buffer_key(name))
         _expect(got is not None, label, f"buffer {name!r}: {entry['file']!r} does not list it")
     rng = index.get("rng")
     if rng:
         _expect(rng["file"] in files, label, f"RNG file {rng['file']!r} is not in 'files'")
+
+
+def _check_cover(
+    pieces: list[Piece], numel: int, wanted: dict[str, str], files: dict[str, Any], label: str, where: str
+) -> None:
+    """`pieces` (sorted) cover [0, numel) exactly once and their files list every wanted tensor."""
+    pos = 0
+    for piece in pieces:
+        _expect(piece.start == pos, label, f"{where}: elements [{pos}, {piece.start}) have no piece")
+        _expect(piece.file in files, label, f"{where}: piece file {piece.file!r} is not in 'files'")
+        tensors = files[piece.file]["tensors"]
+        for key, dtype in wanted.items():
+            got = tensors.get(key)
+            _expect(
+                got is not None and got[0] == dtype and list(got[1]) == [piece.length],
+                label,
+                f"{piece.file} should hold {key!r} as {dtype} [{piece.length}], the table says {got}",
+            )
+        pos += piece.length
+    _expect(pos == numel, label, f"{where}: pieces cover {pos} of {numel} elements")
 
 
 def file_expectations(index: dict[str, Any], name: str) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -1,8 +1,11 @@
 """Partial checkpoints, the save side: every shard written exactly once (see index.py for the layout).
 
 Ranks of replica 0 write their pieces of every sharded parameter (fp32 main shard) and the optimizer
-state of those elements; rank 0 adds the persistent parameters, buffers and every rank's RNG state;
-the other replicas write nothing. Optimizer state is keyed by parameter FQN, never by position:
+state of those elements; the first sharding group (rdp rank 0) adds the persistent parameters, rank 0
+the buffers and every rank's RNG state; the other replicas write nothing. With tensor parallelism
+every TP rank writes its pieces of the TP-split parameters (local pieces, placed in the full
+parameter by the index's `tp` cut) and only TP rank 0 those of TP-replicated ones, which are equal
+on every TP rank. Optimizer state is keyed by parameter FQN, never by position:
 per-element tensors (Adam's exp_avg, exp_avg_sq, SGD's momentum_buffer, ...) are cut like the
 parameter, scalars (`step`) go to the JSON. Loading is reshard.py.
 """
@@ -18,10 +21,11 @@ import torch
 
 from shardpar.checkpoint import atomic
 from shardpar.checkpoint import index as ix
-from shardpar.checkpoint.pieces import fqn_of_piece, persistent_buffers, piece_of, slots, split_state
+from shardpar.checkpoint.pieces import Slot, fqn_of_piece, persistent_buffers, piece_of, slots, split_state
 from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name, write_tensors
 from shardpar.model import DistributedModel
 from shardpar.optimizer import DistributedOptimizer
+from shardpar.topology import RankCoords
 
 
 def _rng_report() -> dict[str, bytes | None]:
@@ -29,16 +33,23 @@ def _rng_report() -> dict[str, bytes | None]:
     return {"torch": torch.get_rng_state().numpy().tobytes(), "cuda": cuda}
 
 
+def writes(slot: Slot, coords: RankCoords) -> bool:
+    """Whether this rank writes `slot`: exactly one rank holds each (TP rank, element) in a checkpoint."""
+    if not slot.tp_split and coords.tp_rank != 0:
+        return False  # TP-replicated: TP rank 0's copy
+    return coords.replica == 0 if slot.sharded else coords.rdp_rank == 0
+
+
 def write_rank_file(
     tmp: Path, checkpoint_id: str, model: DistributedModel, optimizer: DistributedOptimizer | None
 ) -> dict[str, Any]:
-    """Write this rank's file (replica 0 and rank 0 only); a JSON-able report for the index."""
+    """Write this rank's file (writers only, see `writes`); a JSON-able report for the index."""
     coords = model.topology.coords
     tensors: dict[str, torch.Tensor] = {}
     pieces: dict[str, list[int]] = {}
     state_meta: dict[str, dict[str, Any]] = {}
     for slot in slots(model):
-        if (slot.sharded and coords.replica != 0) or (not slot.sharded and coords.rank != 0):
+        if not writes(slot, coords):
             continue
         piece = piece_of(optimizer, slot.param) if optimizer is not None else None
         state = optimizer.optimizer.state.get(piece) if optimizer is not None and piece is not None else None
@@ -49,7 +60,7 @@ def write_rank_file(
                 "scalars": scalars,
             }
         if slot.length:
-            pieces[slot.fqn] = [slot.start, slot.length]
+            pieces[slot.fqn] = [slot.start, slot.length, slot.tp_rank]
             tensors[ix.param_key(slot.fqn)] = slot.value.reshape(-1)
             for k, v in per_element.items():
                 tensors[ix.state_key(k, slot.fqn)] = v.reshape(-1)
@@ -108,13 +119,15 @@ class SaveJob:
     def build_index(self, files: dict[str, Any]) -> dict[str, Any]:
         model, plan = self.model, self.model.topology.plan
         params: dict[str, Any] = {}
-        for slot in slots(model):
-            params[slot.fqn] = {"shape": list(slot.full_shape), "dtype": dtype_name(slot.value.dtype), "pieces": []}
+        for slot in slots(model):  # rank 0's: every TP rank has the same FQNs, and the cut is the same
+            entry = {"shape": list(slot.cut.full_shape), "dtype": dtype_name(slot.value.dtype), "pieces": []}
+            tp = ix.cut_entry(slot.cut)
+            params[slot.fqn] = entry if tp is None else {**entry, "tp": tp}
         for rep in self.reports:
-            for fqn, (start, length) in rep["pieces"].items():
-                params[fqn]["pieces"].append([rep["file"]["name"], start, length])
+            for fqn, (start, length, tp_rank) in rep["pieces"].items():
+                params[fqn]["pieces"].append([rep["file"]["name"], start, length, tp_rank])
         for entry in params.values():
-            entry["pieces"].sort(key=lambda p: p[1])
+            entry["pieces"].sort(key=lambda p: (p[3], p[1]))
         buffers = {
             n: {"file": ix.shard_file(0), "dtype": dtype_name(b.dtype), "shape": list(b.shape)}
             for n, b in persistent_buffers(model).items()

@@ -2,7 +2,9 @@
 
 A *slot* is one original parameter on this rank: the flat element range [start, start + length) it
 holds of the flattened parameter (all of it for a persistent parameter), its fp32 main values, and
-the optimizer piece (DistributedOptimizer's main piece) whose state belongs to those elements.
+the optimizer piece (DistributedOptimizer's main piece) whose state belongs to those elements. Under
+tensor parallelism "the parameter" is this TP rank's local one; `cut` and `tp_rank` say where it
+sits in the full Hugging Face parameter ([Note: full-parameter coordinates] in placement.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import torch
 from torch import nn
 
 from shardpar.checkpoint import index as ix
+from shardpar.checkpoint.placement import Cut
 from shardpar.model import DistributedModel
 from shardpar.optimizer import DistributedOptimizer
+from shardpar.tensor_parallel.layers import tp_split_table
 
 
 @dataclass(frozen=True)
@@ -29,18 +33,42 @@ class Slot:
     shape: tuple[int, ...]  # the piece's shape: (length,) when sharded, the parameter's when persistent
     value: torch.Tensor  # this rank's fp32 main values (a view)
     sharded: bool
-    full_shape: tuple[int, ...]  # the original parameter's (its .data is empty while sharded)
+    param_shape: tuple[int, ...]  # the (TP-local) parameter's; its .data is empty while sharded
+    cut: Cut  # how TP ranks' parameters make up the full one; cut.full_shape is the Hugging Face shape
+    tp_rank: int  # which of cut.size local parameters this is (0 when not TP-split)
+
+    @property
+    def tp_split(self) -> bool:
+        return self.cut.size > 1
 
 
 def slots(model: DistributedModel) -> list[Slot]:
+    splits, tp_rank = tp_split_table(model.module), model.topology.coords.tp_rank
+
+    def placed(fqn: str, shape: tuple[int, ...]) -> tuple[Cut, int]:
+        cut = Cut.of(shape, splits.get(fqn))
+        return cut, tp_rank if cut.size > 1 else 0
+
     out = []
     for unit in model.units:
         for p, sl in zip(unit.params, unit.slices, strict=True):
-            value = unit.main_shard[sl.local]
-            out.append(Slot(sl.spec.fqn, p, sl.param_start, sl.length, (sl.length,), value, True, sl.spec.shape))
+            value, shape = unit.main_shard[sl.local], sl.spec.shape
+            out.append(
+                Slot(
+                    sl.spec.fqn,
+                    p,
+                    sl.param_start,
+                    sl.length,
+                    (sl.length,),
+                    value,
+                    True,
+                    shape,
+                    *placed(sl.spec.fqn, shape),
+                )
+            )
     for i, (name, p) in enumerate(model.persistent.named):
-        value = model.persistent.main_view(i)
-        out.append(Slot(name, p, 0, p.numel(), tuple(p.shape), value, False, tuple(p.shape)))
+        value, shape = model.persistent.main_view(i), tuple(p.shape)
+        out.append(Slot(name, p, 0, p.numel(), shape, value, False, shape, *placed(name, shape)))
     return out
 
 

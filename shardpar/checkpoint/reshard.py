@@ -2,7 +2,10 @@
 
 Each rank reads, for each of *its* slices under the current layout, the overlapping ranges of the
 saved pieces (index.overlaps) -- a checkpoint saved on world 4 / sdp 2 resumes on world 2, sdp 4 or
-a single process with no offline conversion, and every rank reads only the bytes it keeps:
+a single process with no offline conversion, and every rank reads only the bytes it keeps. A change
+of tensor-parallel degree (tp 2 -> 1, 1 -> 2, 2 -> 4, ...) goes through full-parameter coordinates
+(placement.plan_fetch, [Note: full-parameter coordinates]): the slice is a set of runs of the
+writers' TP-local pieces, each read where it lies.
 
     a parameter of 169 elements filling one unit:
     saved (sdp 2):    | piece of rank 0: [0, 85)    | piece of rank 1: [85, 169)      |
@@ -22,7 +25,8 @@ import torch
 from safetensors import safe_open
 
 from shardpar.checkpoint import index as ix
-from shardpar.checkpoint.pieces import fqn_of_piece, persistent_buffers, piece_of, slots
+from shardpar.checkpoint.pieces import Slot, fqn_of_piece, persistent_buffers, piece_of, slots
+from shardpar.checkpoint.placement import Cut, Segment, assemble, plan_fetch, reads
 from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, dtype_of, misfit
 from shardpar.model import DistributedModel
 from shardpar.optimizer import DistributedOptimizer
@@ -37,21 +41,42 @@ class Reader:
         self._stack = contextlib.ExitStack()
         self._open: dict[str, Any] = {}
 
-    def files_for(self, fqn: str, start: int, length: int) -> set[str]:
-        return {p.file for p, _, _ in ix.overlaps(ix.pieces_of(self.index, fqn), start, length)}
+    def _plan(self, fqn: str, cut: Cut, tp_rank: int, start: int, length: int) -> list[Segment]:
+        return plan_fetch(ix.cut_of(self.index["params"][fqn]), cut, tp_rank, start, length)
+
+    def files_for(self, fqn: str, cut: Cut, tp_rank: int, start: int, length: int) -> set[str]:
+        """The files holding elements [start, start + length) of TP rank `tp_rank`'s parameter under `cut`."""
+        pieces = ix.pieces_of(self.index, fqn)
+        return {
+            p.file
+            for rank, lo, n, _ in reads(self._plan(fqn, cut, tp_rank, start, length))
+            for p, _, _ in ix.overlaps(pieces, rank, lo, n)
+        }
 
     def _handle(self, name: str) -> Any:
         if name not in self._open:
             self._open[name] = self._stack.enter_context(safe_open(self.directory / name, framework="pt"))
         return self._open[name]
 
-    def read(self, prefix: str, fqn: str, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """Elements [start, start + length) of `<prefix>/<fqn>` (prefix "param" or "optim/<name>")."""
-        out = torch.empty(length, dtype=dtype)
-        for piece, lo, hi in ix.overlaps(ix.pieces_of(self.index, fqn), start, length):
-            part = self._handle(piece.file).get_slice(f"{prefix}/{fqn}")[lo - piece.start : hi - piece.start]
-            out[lo - start : hi - start].copy_(part)
-        return out
+    def read(
+        self, prefix: str, fqn: str, cut: Cut, tp_rank: int, start: int, length: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Elements [start, start + length) of TP rank `tp_rank`'s flattened local `<prefix>/<fqn>` under
+        `cut` (prefix "param" or "optim/<name>"), whatever cut the checkpoint was written with."""
+        pieces = ix.pieces_of(self.index, fqn)
+
+        def read_saved(saved_rank: int, lo: int, n: int) -> torch.Tensor:
+            out = torch.empty(n, dtype=dtype)
+            for piece, a, b in ix.overlaps(pieces, saved_rank, lo, n):
+                out[a - lo : b - lo].copy_(
+                    self._handle(piece.file).get_slice(f"{prefix}/{fqn}")[a - piece.start : b - piece.start]
+                )
+            return out
+
+        return assemble(self._plan(fqn, cut, tp_rank, start, length), read_saved, length, dtype)
+
+    def read_slot(self, prefix: str, s: Slot, dtype: torch.dtype) -> torch.Tensor:
+        return self.read(prefix, s.fqn, s.cut, s.tp_rank, s.start, s.length, dtype)
 
     def tensor(self, name: str, key: str) -> torch.Tensor:
         return self._handle(name).get_tensor(key)
@@ -72,7 +97,9 @@ class LoadJob:
 
     @property
     def restores_rng(self) -> bool:
-        return int(self.index["rng"]["world"]) == self.world
+        """Rank i gets rank i's RNG state when (world, tp) is unchanged: then rank i has the same role."""
+        saved_tp = int(self.index.get("topology", {}).get("tp", 1))
+        return int(self.index["rng"]["world"]) == self.world and saved_tp == self.model.topology.plan.tp
 
     def check(self) -> None:
         """Everything that can fail, before anything is loaded (run on every rank, then agreed)."""
@@ -81,9 +108,9 @@ class LoadJob:
             raise ValueError("resume_from_checkpoint between training steps, not inside forward/backward")
         saved, mine = self.index["params"], {s.fqn: s for s in slots(self.model)}
         problems = [
-            f"{fqn}: shape {list(s.full_shape)} in the model, {saved[fqn]['shape']} in the checkpoint"
+            f"{fqn}: full shape {list(s.cut.full_shape)} in the model, {saved[fqn]['shape']} in the checkpoint"
             for fqn, s in mine.items()
-            if fqn in saved and list(s.full_shape) != saved[fqn]["shape"]
+            if fqn in saved and list(s.cut.full_shape) != saved[fqn]["shape"]
         ]
         if self.strict:
             problems += [f"{f}: in the model, not in the checkpoint" for f in mine if f not in saved]
@@ -130,7 +157,7 @@ class LoadJob:
         }
         for s in slots(self.model):
             if s.fqn in self.index["params"]:
-                needed |= reader.files_for(s.fqn, s.start, s.length)
+                needed |= reader.files_for(s.fqn, s.cut, s.tp_rank, s.start, s.length)
         if self.restores_rng:
             needed.add(self.index["rng"]["file"])
         return needed
@@ -153,7 +180,7 @@ class LoadJob:
         saved = self.index["params"]
         for s in slots(self.model):
             if s.fqn in saved and s.length:
-                values = reader.read("param", s.fqn, s.start, s.length, dtype_of(saved[s.fqn]["dtype"]))
+                values = reader.read_slot("param", s, dtype_of(saved[s.fqn]["dtype"]))
                 s.value.copy_(values.view(s.shape))
         for name, buf in persistent_buffers(self.model).items():
             if name in self.index["buffers"]:
@@ -174,7 +201,7 @@ class LoadJob:
                 continue
             entry = {k: ix.decode(v, device=piece.device) for k, v in meta["scalars"].items()}
             for k, dtype in meta["tensors"].items():
-                flat = reader.read(f"optim/{k}", s.fqn, s.start, s.length, dtype_of(dtype))
+                flat = reader.read_slot(f"optim/{k}", s, dtype_of(dtype))
                 entry[k] = flat.view(s.shape).to(piece.device)
             state[piece] = entry
         scaler, scaler_state = getattr(optimizer, "loss_scaler", None), self.index.get("loss_scaler")
@@ -192,14 +219,15 @@ class LoadJob:
 
 
 def consolidated(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Offline: every parameter and buffer of a partial checkpoint at full shape (one at a time)."""
+    """Offline: every parameter and buffer of a partial checkpoint at full shape (one at a time);
+    TP-split parameters are consolidated to the Hugging Face layout."""
     index = ix.read_index(directory)
     reader = Reader(directory, index)
     try:
         for fqn, entry in index["params"].items():
-            numel = ix.numel_of(entry["shape"])
-            flat = reader.read("param", fqn, 0, numel, dtype_of(entry["dtype"]))
-            yield fqn, flat.view(entry["shape"])
+            whole = Cut(tuple(int(d) for d in entry["shape"]))
+            flat = reader.read("param", fqn, whole, 0, 0, whole.numel, dtype_of(entry["dtype"]))
+            yield fqn, flat.view(whole.full_shape)
         for name, entry in index["buffers"].items():
             yield name, reader.tensor(entry["file"], ix.buffer_key(name))
     finally:

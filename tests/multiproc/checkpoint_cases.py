@@ -88,7 +88,7 @@ def _adam_moments(model: Any, opt: Any) -> dict[str, torch.Tensor]:
         state = opt.optimizer.state.get(opt._main_piece[id(s.param)], {})
         for k in ("exp_avg", "exp_avg_sq"):
             if k in state and s.length:
-                mine.append((f"{s.fqn}:{k}", s.start, state[k].reshape(-1).clone(), s.full_shape))
+                mine.append((f"{s.fqn}:{k}", s.start, state[k].reshape(-1).clone(), s.param_shape))
     full: dict[str, torch.Tensor] = {}
     for pieces in smp.allgather(mine):
         for key, start, values, shape in pieces:
