@@ -1,0 +1,476 @@
+"""The shared-memory transport (shardpar/collectives/shm.py over shardpar/csrc/shm_transport.c).
+
+Collectives run on 2 and 4 spawned local processes, reused across cases (spawning costs seconds on 2
+cores). Every case has a deadline: a rank that hangs fails the test and the processes are killed.
+
+Exactness: the transport adds in fp32 in rank order and rounds once, so every reduction is compared
+bit for bit with `(x_0 + x_1 + ... in fp32, divided by n for avg).to(dtype)` computed sequentially in
+torch; fp32 results therefore match exactly too (stronger than an rtol of 1e-6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import stat
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardpar.collectives import shm
+
+pytestmark = pytest.mark.skipif(not shm.available()[0], reason=f"shm transport unavailable: {shm.available()[1]}")
+
+DEV_SHM = Path("/dev/shm")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MiB = 1 << 20
+
+
+# ---- a small pool of spawned ranks ----------------------------------------------------------------
+
+
+def _serve(index: int, size: int, conn: Connection) -> None:
+    torch.set_num_threads(1)  # up to 4 ranks share 2 cores
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(index, size, *args)))
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+
+
+class Ranks:
+    """`size` spawned processes; `run(fn, *args)` calls `fn(index, size, *args)` on each of them."""
+
+    def __init__(self, size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        for index in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(index, size, child), daemon=True, name=f"shm-rank{index}")
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def start(self, fn: Callable[..., Any], *args: Any) -> None:
+        for conn in self.conns:
+            conn.send((fn, args))
+
+    def collect(self, timeout: float, indices: list[int] | None = None) -> list[Any]:
+        """Results of `indices` (default all); raises on an error, a death, or after `timeout` seconds."""
+        pending = list(range(self.size)) if indices is None else list(indices)
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = wait([self.conns[i] for i in pending], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.close()
+                raise AssertionError(f"ranks {pending} did not finish within {timeout} s (killed)")
+            for i in [i for i in pending if self.conns[i] in ready]:
+                pending.remove(i)
+                try:
+                    kind, value = self.conns[i].recv()
+                except EOFError:
+                    self.close()
+                    raise AssertionError(f"rank {i} died (exit code {self.procs[i].exitcode})") from None
+                if kind != "ok":
+                    self.close()
+                    raise AssertionError(f"rank {i} raised:\n{value}")
+                results[i] = value
+        return [results[i] for i in sorted(results)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
+        self.start(fn, *args)
+        return self.collect(timeout)
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            if proc.is_alive():
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+_POOLS: dict[int, Ranks] = {}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Callable[[int], Ranks]]:
+    def get(size: int) -> Ranks:
+        if size not in _POOLS or not _POOLS[size].alive:
+            _POOLS[size] = Ranks(size)
+        return _POOLS[size]
+
+    yield get
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def _key() -> str:
+    return f"t{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+def _leftovers(key: str) -> list[str]:
+    return sorted(p.name for p in DEV_SHM.iterdir() if key in p.name)
+
+
+# ---- references -----------------------------------------------------------------------------------
+
+
+def _inputs(size: int, numel: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Rank r's input, identical in every process (so each rank can compute the reference)."""
+    out = []
+    for r in range(size):
+        g = torch.Generator().manual_seed(seed * 100 + r)
+        if dtype.is_floating_point:
+            out.append(torch.randn(numel, generator=g).to(dtype))
+        else:
+            out.append(torch.randint(-(2**62), 2**62, (numel,), generator=g, dtype=dtype))
+    return out
+
+
+def _reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    acc = inputs[0].to(torch.float32, copy=True)
+    for x in inputs[1:]:
+        acc += x.float()
+    if op == "avg":  # tensor / tensor: an IEEE division, never a multiply by 1/n
+        acc = acc / torch.full_like(acc, len(inputs))
+    return acc.to(inputs[0].dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """None when equal bit for bit (any NaN matches any NaN), else a short description."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape/dtype {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}"
+    differ = _bits(got) != _bits(want)
+    if got.is_floating_point():
+        differ &= ~(got.isnan() & want.isnan())
+    if not bool(differ.any()):
+        return None
+    first = int(differ.nonzero()[0])
+    return f"{int(differ.sum())} of {got.numel()} differ, first at {first}: {got[first].item()} != {want[first].item()}"
+
+
+# ---- single process: the reduction kernels --------------------------------------------------------
+
+
+def _isas() -> list[str]:
+    order = ["scalar", "avx2", "avx512"]
+    return order[: order.index(shm.best_isa()) + 1]
+
+
+def _special_values(dtype: torch.dtype) -> torch.Tensor:
+    info = torch.finfo(dtype)
+    vals = [0.0, -0.0, 1.0, -1.0, info.max, -info.max, info.tiny, info.tiny / 4, -info.tiny / 8, info.eps]
+    vals += [float("inf"), float("-inf"), float("nan"), 1.0 + info.eps / 2, 3.0e-39, 1e-45]
+    return torch.tensor(vals, dtype=torch.float32).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_reduce_kernels_round_like_torch(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(7)
+    specials = _special_values(dtype)
+    for nsrc in (1, 2, 3, 4):
+        for numel in (0, 1, 15, 16, 17, 63, 64, 65, 1001, 4099):
+            srcs = [(torch.randn(numel, generator=g) * 10 ** (4 * r - 6)).to(dtype) for r in range(nsrc)]
+            for s in srcs:  # sprinkle specials (inf/nan/denormals/ties) at random places
+                where = torch.randint(0, max(numel, 1), (min(numel, 8),), generator=g)
+                s[where] = specials[torch.randint(0, len(specials), (len(where),), generator=g)]
+            for op in ("sum", "avg"):
+                want = _reference(srcs, op)
+                for isa in _isas():
+                    got = torch.empty(numel, dtype=dtype)
+                    shm.reduce_kernel(got, srcs, op, isa=isa)
+                    assert _mismatch(got, want) is None, f"{isa} {op} nsrc={nsrc} numel={numel}: {_mismatch(got, want)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_reduce_kernels_every_16bit_pattern(dtype: torch.dtype) -> None:
+    """All 65536 bit patterns, plus random pairs: exercises every rounding case of fp32 -> 16 bit."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    g = torch.Generator().manual_seed(3)
+    pair = [torch.randint(-(2**15), 2**15, (1 << 18,), generator=g, dtype=torch.int32).to(torch.int16).view(dtype)
+            for _ in range(2)]  # fmt: skip
+    for srcs in ([every], [every, every.flip(0)], pair):
+        want = _reference(srcs, "sum")
+        for isa in _isas():
+            got = torch.empty_like(srcs[0])
+            shm.reduce_kernel(got, srcs, "sum", isa=isa)
+            assert _mismatch(got, want) is None, f"{isa}: {_mismatch(got, want)}"
+
+
+def test_single_rank_communicator_and_argument_errors() -> None:
+    key = _key()
+    with shm.ShmComm(key, 0, 0, 1, timeout_s=5) as comm:
+        x = torch.randn(1001)
+        out = torch.empty(1001)
+        comm.all_gather(out, x)
+        assert torch.equal(out, x)
+        comm.all_reduce(out, "avg")
+        assert torch.equal(out, x)
+        comm.barrier()
+        with pytest.raises(ValueError, match="must be 1 x"):
+            comm.all_gather(torch.empty(5), x)
+        with pytest.raises(ValueError, match="contiguous CPU tensor"):
+            comm.all_reduce(torch.randn(4, 4).t())
+        with pytest.raises(TypeError, match="not reducible"):
+            comm.all_reduce(torch.zeros(3, dtype=torch.int64))
+        with pytest.raises(ValueError, match="op 'max'"):
+            comm.all_reduce(x, "max")
+        with pytest.raises(ValueError, match="root 3 is not a local index"):
+            comm.broadcast(x, 3)
+    with pytest.raises(ValueError, match="is closed"):
+        comm.barrier()
+    with pytest.raises(ValueError, match="may only hold"):
+        shm.ShmComm("bad/key", 0, 0, 1)
+    assert _leftovers(key) == []
+
+
+# ---- multi-process: correctness -------------------------------------------------------------------
+
+
+def _check_sizes(comm: shm.ShmComm, index: int, size: int, numel: int, dtype: torch.dtype, seed: int) -> list[str]:
+    problems: list[str] = []
+
+    def check(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        bad = _mismatch(got, want)
+        if bad is not None:
+            problems.append(f"rank {index} chunk {comm.name} {what} {dtype} numel={numel}: {bad}")
+
+    xs = _inputs(size, size * numel, dtype, seed)
+    out = torch.empty(size * numel, dtype=dtype)
+    comm.all_gather(out, xs[index][:numel])
+    check("all_gather", out, torch.cat([x[:numel] for x in xs]))
+    for root in range(size):
+        t = xs[index][:numel].clone()
+        comm.broadcast(t, root)
+        check(f"broadcast from {root}", t, xs[root][:numel])
+    if not dtype.is_floating_point:
+        return problems
+    for op in ("sum", "avg"):
+        want = _reference(xs, op)
+        part = torch.empty(numel, dtype=dtype)
+        comm.reduce_scatter(part, xs[index], op)
+        check(f"reduce_scatter {op}", part, want[index * numel : (index + 1) * numel])
+        t = xs[index].clone()
+        comm.all_reduce(t, op)
+        check(f"all_reduce {op}", t, want)
+    return problems
+
+
+def _case_collectives(index: int, size: int, key: str, seed: int) -> list[str]:
+    problems: list[str] = []
+    with (
+        shm.ShmComm(key, "chunk1m", index, size, timeout_s=30) as big,
+        shm.ShmComm(key, "chunk64k", index, size, timeout_s=30, chunk_bytes=64 << 10) as small,
+    ):
+        for comm in (big, small):
+            for numel in (0, 1, 1001, 50_003):
+                for dtype in (*FLOAT_DTYPES, torch.int64):
+                    problems += _check_sizes(comm, index, size, numel, dtype, seed)
+        problems += _check_large(big, index, size, seed)
+        problems += _check_aliasing_and_thread(big, index, size, seed)
+    return problems
+
+
+def _check_large(comm: shm.ShmComm, index: int, size: int, seed: int) -> list[str]:
+    """Buffers of 16 MiB and more (many 1 MiB chunks), odd element counts."""
+    problems = []
+    numel = 16 * MiB // 4 // size + 3  # per-rank block; the full buffer is >= 16 MiB in fp32
+    xs = _inputs(size, size * numel, torch.float32, seed)
+    out = torch.empty(size * numel)
+    comm.all_gather(out, xs[index][:numel])
+    problems.append(("all_gather fp32", _mismatch(out, torch.cat([x[:numel] for x in xs]))))
+    part = torch.empty(numel)
+    comm.reduce_scatter(part, xs[index], "sum")
+    problems.append(("reduce_scatter fp32 sum", _mismatch(part, _reference(xs, "sum")[index * numel :][:numel])))
+    t = xs[index].clone()
+    comm.all_reduce(t, "avg")
+    problems.append(("all_reduce fp32 avg", _mismatch(t, _reference(xs, "avg"))))
+    hs = _inputs(size, 2 * size * numel, torch.bfloat16, seed + 1)  # twice the elements: 16 MiB+ in bf16
+    t = hs[index].clone()
+    comm.all_reduce(t, "sum")
+    problems.append(("all_reduce bf16 sum", _mismatch(t, _reference(hs, "sum"))))
+    part = torch.empty(2 * numel, dtype=torch.bfloat16)
+    comm.reduce_scatter(part, hs[index], "avg")
+    want = _reference(hs, "avg")[index * 2 * numel :][: 2 * numel]
+    problems.append(("reduce_scatter bf16 avg", _mismatch(part, want)))
+    ints = _inputs(size, 2 * MiB + 1, torch.int64, seed)[size - 1]  # 16 MiB + 8 bytes
+    b = ints.clone() if index == size - 1 else torch.zeros_like(ints)
+    comm.broadcast(b, size - 1)
+    problems.append(("broadcast int64", _mismatch(b, ints)))
+    return [f"rank {index} large {what}: {bad}" for what, bad in problems if bad is not None]
+
+
+def _check_aliasing_and_thread(comm: shm.ShmComm, index: int, size: int, seed: int) -> list[str]:
+    problems = []
+    numel = 3001
+    xs = _inputs(size, size * numel, torch.float32, seed + 1)
+    gathered = torch.zeros(size * numel)
+    gathered[index * numel : (index + 1) * numel] = xs[index][:numel]
+    comm.all_gather(gathered, gathered[index * numel : (index + 1) * numel])  # in place: inp is out's own block
+    problems.append(("in-place all_gather", _mismatch(gathered, torch.cat([x[:numel] for x in xs]))))
+    buf = xs[index].clone()
+    own = buf[index * numel : (index + 1) * numel]
+    comm.reduce_scatter(own, buf, "sum")  # in place: out is inp's own block
+    problems.append(("in-place reduce_scatter", _mismatch(own, _reference(xs, "sum")[index * numel :][:numel])))
+    t = xs[index].clone()
+    worker = threading.Thread(target=comm.all_reduce, args=(t, "sum"))
+    worker.start()
+    worker.join(timeout=30)
+    problems.append(("all_reduce on a thread", _mismatch(t, _reference(xs, "sum"))))
+    return [f"rank {index} {what}: {bad}" for what, bad in problems if bad is not None]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_collectives_match_torch(ranks: Callable[[int], Ranks], size: int) -> None:
+    key = _key()
+    problems = ranks(size).run(_case_collectives, key, 11, timeout=120)
+    assert [p for per_rank in problems for p in per_rank] == []
+    assert _leftovers(key) == []
+
+
+# ---- multi-process: failures become errors, never hangs, never leaked segments -------------------
+
+
+def _case_missing_at_connect(index: int, size: int, key: str, missing: int) -> tuple[str, float] | None:
+    if index == missing:
+        return None
+    t0 = time.monotonic()
+    try:
+        shm.ShmComm(key, "g", index, size, timeout_s=2.0)
+    except shm.ShmTimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    return "connected", time.monotonic() - t0
+
+
+@pytest.mark.parametrize(("size", "missing"), [(4, 3), (2, 0)])
+def test_peer_missing_at_connect_times_out(ranks: Callable[[int], Ranks], size: int, missing: int) -> None:
+    key = _key()
+    pool = ranks(size)
+    pool.start(_case_missing_at_connect, key, missing)
+    modes = set()
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline and missing != 0:  # the segment exists while the others wait
+        for name in _leftovers(key):
+            with contextlib.suppress(FileNotFoundError):
+                modes.add(stat.S_IMODE((DEV_SHM / name).stat().st_mode))
+        time.sleep(0.01)
+    results = pool.collect(timeout=20)
+    for index, result in enumerate(results):
+        if index == missing:
+            continue
+        assert result is not None
+        message, elapsed = result
+        assert f"rank {missing} (local index) did not arrive within 2 s" in message
+        assert 1.9 <= elapsed < 5.0, elapsed
+    assert modes <= {0o600} and (missing == 0 or modes == {0o600}), modes
+    assert _leftovers(key) == []
+
+
+def _case_missing_in_collective(index: int, size: int, key: str) -> tuple[str, float]:
+    comm = shm.ShmComm(key, "g", index, size, timeout_s=2.0)
+    t0 = time.monotonic()
+    try:
+        if index == size - 1:
+            time.sleep(3.0)  # never joins the all_reduce below, and stays alive (not closed)
+            comm.barrier()  # by now the others aborted the communicator: this fails at once
+        else:
+            comm.all_reduce(torch.ones(10_000), "sum")
+    except shm.ShmTimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    finally:
+        comm.close()
+    return "finished", time.monotonic() - t0
+
+
+def test_peer_missing_in_collective_times_out(ranks: Callable[[int], Ranks]) -> None:
+    key = _key()
+    results = ranks(2).run(_case_missing_in_collective, key, timeout=20)
+    (message, elapsed), (late_message, late_elapsed) = results
+    assert "shm all_reduce: rank 1 (local index) did not arrive within 2 s" in message
+    assert 1.9 <= elapsed < 3.0, elapsed
+    assert "shm barrier: rank 1 (local index) did not arrive" in late_message and "reported by rank 0" in late_message
+    assert late_elapsed < 4.5, late_elapsed  # slept 3 s, then failed at once
+
+
+def _case_mismatched_sizes(index: int, size: int, key: str) -> str:
+    with shm.ShmComm(key, "g", index, size, timeout_s=10.0) as comm:
+        x = torch.zeros(10 + index)
+        try:
+            comm.all_gather(torch.empty(size * x.numel()), x)
+        except shm.ShmError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_mismatched_collectives_fail_on_every_rank(ranks: Callable[[int], Ranks]) -> None:
+    t0 = time.monotonic()
+    messages = ranks(2).run(_case_mismatched_sizes, _key(), timeout=20)
+    assert all("called a different collective" in m for m in messages), messages
+    assert time.monotonic() - t0 < 5.0
+
+
+def _case_loop_until_error(index: int, size: int, key: str, ready_dir: str) -> tuple[str, str, float]:
+    comm = shm.ShmComm(key, "g", index, size, timeout_s=30.0)
+    t = torch.randn(300_000)
+    for _ in range(5):
+        comm.all_reduce(t, "avg")
+    Path(ready_dir, f"ready{index}").touch()
+    try:
+        while True:
+            comm.all_reduce(t, "avg")
+    except shm.ShmError as exc:
+        return type(exc).__name__, str(exc), time.monotonic()
+    finally:
+        comm.close()
+
+
+def test_sigkilled_rank_errors_survivors_and_leaks_nothing(ranks: Callable[[int], Ranks]) -> None:
+    key, victim = _key(), 2
+    pool = ranks(4)
+    with tempfile.TemporaryDirectory() as ready_dir:
+        pool.start(_case_loop_until_error, key, ready_dir)
+        deadline = time.monotonic() + 20
+        while len(list(Path(ready_dir).iterdir())) < pool.size:
+            assert time.monotonic() < deadline, "ranks never got going"
+            time.sleep(0.01)
+        killed_at = time.monotonic()
+        os.kill(pool.procs[victim].pid, signal.SIGKILL)  # not reaped until later: a zombie, as in real jobs
+        survivors = [i for i in range(pool.size) if i != victim]
+        results = pool.collect(timeout=10, indices=survivors)
+    pool.close()
+    for kind, message, failed_at in results:
+        assert kind == "ShmPeerError" and f"rank {victim} (local index" in message and "died" in message, message
+        assert failed_at - killed_at < 2.0, failed_at - killed_at  # liveness check, not the 30 s timeout
+    assert _leftovers(key) == []
