@@ -20,13 +20,14 @@ class LaunchError(RuntimeError):
     pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], queue: Any) -> None:
+def set_local_rank_env(rank: int, world: int, port: int) -> None:
+    """The variables torchrun sets for rank `rank` of `world` ranks on this one host."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -35,6 +36,10 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], queue: Any) -> None:
+    set_local_rank_env(rank, world, port)
     import torch
 
     # N ranks share this machine's cores; one intra-op thread each avoids oversubscription.
@@ -50,7 +55,7 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: flo
     """Run `fn(*args)` on `nprocs` local ranks; return the per-rank results in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, port, args, queue)) for r in range(nprocs)]
     for p in procs:
         p.start()

@@ -21,7 +21,6 @@ import faulthandler
 import multiprocessing as mp
 import os
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -29,6 +28,8 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
+
+from shardpar.launcher import free_port, set_local_rank_env
 
 DEFAULT_TIMEOUT_S = 120.0
 _GRACE_AFTER_ERROR_S = 5.0
@@ -38,21 +39,8 @@ class RankFailure(AssertionError):
     """One or more ranks raised, died or hung; the message holds every rank's story."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker(rank: int, world: int, port: int, conn: Connection, env: dict[str, str], stack_file: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_local_rank_env(rank, world, port)
     os.environ.update(env)
     with open(stack_file, "w") as stacks:  # stays open: faulthandler writes to it on SIGUSR1
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
