@@ -86,7 +86,16 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         world, cfg.tensor_parallel_degree, cfg.sharded_data_parallel_degree, cfg.ranks_per_node or local_size
     )
     topology = Topology(the_plan, rank, timeout_s=cfg.collective_timeout_s)
-    engine = CountingEngine(make_engine(cfg.ddp_dist_backend, timeout_s=cfg.collective_timeout_s))
+    engine = CountingEngine(
+        make_engine(
+            cfg.ddp_dist_backend,
+            timeout_s=cfg.collective_timeout_s,
+            ranks_per_node=the_plan.ranks_per_node,
+            ag_scratch_bytes=cfg.smddp_ag_scratch_buffer_size_bytes,
+            ag_sort_bytes=cfg.smddp_ag_sort_buffer_size_bytes,
+            device_type=device.type,
+        )
+    )
     _STATE = _State(cfg, the_plan, topology, engine, owns, local_rank, local_size, device)
     return cfg
 
@@ -97,6 +106,9 @@ def shutdown() -> None:
     if _STATE is None:
         return
     state, _STATE = _STATE, None
+    close = getattr(state.engine.inner, "close", None)
+    if close is not None:
+        close()  # stop the engine's worker thread and unmap its shared memory now
     if not dist.is_initialized():
         return
     seen: set[int] = set()

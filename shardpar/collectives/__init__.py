@@ -1,5 +1,7 @@
 """Pluggable collective engines (DESIGN.md section 1): native torch.distributed, smddp."""
 
+from __future__ import annotations
+
 import warnings
 
 from shardpar.collectives.base import CompletedWork, Engine, Group, ReduceOp, Work
@@ -19,15 +21,46 @@ __all__ = [
     "make_engine",
 ]
 
+_WARNED: set[str] = set()
 
-def make_engine(backend: str, *, timeout_s: float = 300.0) -> Engine:
-    """The engine for a `ddp_dist_backend` value ("nccl" means native torch.distributed)."""
+
+def make_engine(
+    backend: str,
+    *,
+    timeout_s: float = 300.0,
+    ranks_per_node: int | None = None,
+    ag_scratch_bytes: int | None = None,
+    ag_sort_bytes: int | None = None,
+    device_type: str = "cpu",
+) -> Engine:
+    """The engine for a `ddp_dist_backend` value.
+
+    "nccl" is native torch.distributed (NCCL on GPU, gloo on CPU); "smddp" the shared-memory engine
+    (native when its C extension is missing, with one warning saying why); "auto" smddp for CPU
+    training when the extension is available, else native. Building an smddp engine is collective
+    over the world (it agrees on a job key). None options are read from LOCAL_WORLD_SIZE and the
+    SMDDP_AG_* environment variables.
+    """
     if backend not in ("auto", "nccl", "smddp"):
         raise ValueError(f"ddp_dist_backend={backend!r} is not one of ('auto', 'nccl', 'smddp')")
-    if backend == "smddp":
-        warnings.warn(
-            "ddp_dist_backend='smddp': the smddp engine is not part of this build yet; using the native "
-            "torch.distributed engine",
-            stacklevel=2,
-        )
-    return NativeEngine(timeout_s=timeout_s)
+    native = NativeEngine(timeout_s=timeout_s)
+    if backend == "nccl":
+        return native
+    from shardpar.collectives import shm
+
+    ok, why = shm.available()
+    if backend == "auto" and (not ok or device_type != "cpu"):
+        return native
+    if not ok:
+        _warn_once(f"ddp_dist_backend='smddp': {why}; using the native torch.distributed engine")
+        return native
+    from shardpar.collectives.smddp import SmddpEngine, SmddpOptions
+
+    options = SmddpOptions(timeout_s, ranks_per_node, ag_scratch_bytes, ag_sort_bytes)
+    return SmddpEngine(options=options, native=native)
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)

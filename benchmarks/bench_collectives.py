@@ -1,0 +1,164 @@
+"""Bus bandwidth per engine x op x size x ranks (NCCL-tests conventions), and one training step per
+`ddp_dist_backend`, all in one command so ratios are taken under the same machine noise.
+
+    busbw = algbw * (n-1)/n        all_gather, reduce_scatter   (size = the large, gathered buffer)
+    busbw = algbw * 2(n-1)/n       all_reduce
+    algbw = size / time            time = median over 5 rounds of the slowest rank's mean over a loop
+
+    .venv/bin/python benchmarks/bench_collectives.py                       # 2 and 4 ranks, 4 KiB..64 MiB
+    .venv/bin/python benchmarks/bench_collectives.py --ranks 2 --ops all_gather --max-mib 4
+    .venv/bin/python benchmarks/bench_collectives.py --step-only
+
+The physical bound printed first is this machine's single-process memcpy bandwidth (64 MiB buffers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from tests.harness import RankPool
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+ENGINES = ("nccl", "smddp")  # "nccl" = the native torch.distributed engine (gloo on CPU)
+
+
+def memcpy_gbps(nbytes: int = 64 << 20, rounds: int = 7) -> float:
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _time_op(engine, op: str, size: int, group) -> float:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+
+    from shardpar.collectives import ReduceOp
+
+    n = group.size
+    big = torch.randn(size // 4)
+    small = torch.randn(size // 4 // n)
+    call = {
+        "all_gather": lambda: engine.all_gather(big, small, group),
+        "reduce_scatter": lambda: engine.reduce_scatter(small, big, group, op=ReduceOp.SUM),
+        "all_reduce": lambda: engine.all_reduce(big, group),
+    }[op]
+    call()
+    iters = max(1, min(50, (16 << 20) // size))
+    times = []
+    flag = torch.zeros(1)
+    for _ in range(5):
+        dist.all_reduce(flag)  # line the ranks up; not timed
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    return statistics.median(times)
+
+
+def bench_rank(engines: list[str], ops: list[str], sizes: list[int]) -> list[tuple[str, str, int, float]]:
+    import torch.distributed as dist
+
+    from shardpar.collectives import Group, make_engine
+
+    group = Group("world", tuple(range(dist.get_world_size())), dist.group.WORLD)
+    rows = []
+    for name in engines:
+        engine = make_engine(name, timeout_s=120)
+        for op in ops:
+            for size in sizes:
+                rows.append((name, op, size, _time_op(engine, op, size, group)))
+        getattr(engine, "close", lambda: None)()
+    return rows
+
+
+def step_rank(backends: list[str], steps: int) -> dict[str, float]:
+    """Median step time of a 8-block MLP (sdp 1: the balanced-fusion AllReduce path) per backend."""
+    import torch.distributed as dist
+
+    import shardpar as smp
+    from tests.models import UnevenMLP, mlp_batch
+
+    out: dict[str, list[float]] = {b: [] for b in backends}
+    models = {}
+    for b in backends:
+        smp.init({"ddp_dist_backend": b, "sharded_data_parallel_degree": 1})
+        torch.manual_seed(0)
+        models[b] = smp.DistributedModel(UnevenMLP(width=13, hidden=4096, depth=8))
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(models[b].parameters(), lr=1e-3))
+        batch = mlp_batch(0, 8)
+        for s in range(steps + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            models[b].backward(models[b](**batch))
+            opt.step()
+            opt.zero_grad()
+            if s >= 2:
+                out[b].append(time.perf_counter() - t0)
+        smp.shutdown()
+    return {b: statistics.median(v) for b, v in out.items()}
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--max-mib", type=int, default=64)
+    ap.add_argument("--step-only", action="store_true")
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    print(f"memcpy bandwidth (1 process, 64 MiB): {memcpy_gbps():.1f} GB/s  <- physical bound per copy")
+    sizes = [4 << 10 << (2 * i) for i in range(8) if (4 << 10 << (2 * i)) <= args.max_mib << 20]
+    for world in [int(w) for w in args.ranks.split(",")]:
+        pool = RankPool(world)
+        try:
+            if not args.step_only:
+                rows = pool.run(bench_rank, list(ENGINES), args.ops.split(","), sizes, timeout=1800)[0]
+                _print_table(world, rows)
+            steps = pool.run(step_rank, list(ENGINES), args.steps, timeout=900)[0]
+            ratio = steps["nccl"] / steps["smddp"]
+            print(
+                f"ranks {world} training step (8-block MLP, sdp 1): "
+                + ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in steps.items())
+                + f"; smddp is {ratio:.2f}x faster"
+            )
+        finally:
+            pool.close()
+
+
+def _print_table(world: int, rows: list[tuple[str, str, int, float]]) -> None:
+    times = {(e, op, s): t for e, op, s, t in rows}
+    print(f"\nranks {world}: bus bandwidth GB/s (time)")
+    print("| op | size | gloo (nccl) | smddp | smddp / gloo |")
+    print("|---|---|---|---|---|")
+    for (engine, op, size), t in times.items():
+        if engine != "nccl":
+            continue
+        factor = (world - 1) / world * (2 if op == "all_reduce" else 1)
+        bus = {e: size / times[(e, op, size)] / 1e9 * factor for e in ENGINES}
+        ts = times[("smddp", op, size)]
+        print(
+            f"| {op} | {_fmt_size(size)} | {bus['nccl']:.3f} ({t * 1e3:.2f} ms) | "
+            f"{bus['smddp']:.3f} ({ts * 1e3:.3f} ms) | {bus['smddp'] / bus['nccl']:.1f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Conformance cases run on every rank: one suite, every engine (native, smddp).
+
+Each rank builds every rank's input from a per-rank seed, so the expected result is computed locally:
+gathers and broadcasts must equal it bit for bit; reductions must match the fp32 sum in rank order
+within the rounding of the dtype (gloo adds bf16/fp16 in the dtype itself, one rounding per add).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import shardpar.api as api
+from shardpar.collectives import Engine, Group, NativeEngine, ReduceOp, make_engine
+from tests.multiproc.parity import run_parity
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SIZES = (0, 1, 7, (1 << 16) + 3)
+
+
+def _groups(world: int) -> list[Group]:
+    """Groups of 1..world ranks, some non-contiguous; new_group is called by all ranks in one order."""
+    sets = {2: [(0,), (1,), (0, 1)], 4: [(2,), (0, 1), (1, 3), (0, 2, 3), (0, 1, 2, 3)]}[world]
+    rank = dist.get_rank()
+    out = []
+    for ranks in sets:
+        pg = dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
+        if rank in ranks:
+            out.append(Group("test", ranks, pg))
+    return out
+
+
+def _make(name: str) -> Engine:
+    return NativeEngine(timeout_s=60) if name == "native" else make_engine(name, timeout_s=60)
+
+
+def _input(rank: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + 17 * numel + salt)
+    return torch.randn(numel, generator=gen).to(dtype)
+
+
+def _close(got: torch.Tensor, want32: torch.Tensor, n: int) -> bool:
+    eps = torch.finfo(got.dtype).eps
+    tol = 1e-6 if got.dtype == torch.float32 else n * eps
+    return bool(torch.allclose(got.float(), want32, rtol=tol, atol=tol * 4))
+
+
+def _cases(group: Group) -> Iterator[tuple[str, torch.dtype, int]]:
+    for dtype in DTYPES:
+        for numel in SIZES:
+            yield f"{group.ranks} {dtype} numel {numel}", dtype, numel
+
+
+def check_engine(name: str) -> list[str]:
+    """Every op over every group, size and dtype; returns the problems (empty = conformant)."""
+    engine, rank = _make(name), dist.get_rank()
+    problems: list[str] = []
+    for group in _groups(dist.get_world_size()):
+        for label, dtype, numel in _cases(group):
+            for op, check in CHECKS.items():
+                if not check(engine, group, rank, dtype, numel):
+                    problems.append(f"{name} {op} {label}")
+    problems += _check_many_async(engine, _groups(dist.get_world_size())[-1], rank)
+    getattr(engine, "close", lambda: None)()
+    return problems
+
+
+def _all_gather(engine: Engine, group: Group, rank: int, dtype: torch.dtype, numel: int) -> bool:
+    out = torch.full((numel * group.size,), 3.0, dtype=dtype)
+    engine.all_gather(out, _input(rank, numel, dtype, 1), group)
+    want = torch.cat([_input(r, numel, dtype, 1) for r in group.ranks])
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    return torch.equal(out.view(bits), want.view(bits))
+
+
+def _reduce_scatter(engine: Engine, group: Group, rank: int, dtype: torch.dtype, numel: int) -> bool:
+    ok = True
+    for op in (ReduceOp.SUM, ReduceOp.AVG):
+        out = torch.empty(numel, dtype=dtype)
+        engine.reduce_scatter(out, _input(rank, numel * group.size, dtype, 2), group, op=op)
+        total = sum(
+            (_input(r, numel * group.size, dtype, 2).float() for r in group.ranks), torch.zeros(numel * group.size)
+        )
+        want = total.view(group.size, numel)[group.rank_of(rank)] if numel else torch.empty(0)
+        ok &= _close(out, want / (group.size if op is ReduceOp.AVG else 1), group.size)
+    return ok
+
+
+def _all_reduce(engine: Engine, group: Group, rank: int, dtype: torch.dtype, numel: int) -> bool:
+    t = _input(rank, numel, dtype, 3)
+    engine.all_reduce(t, group, async_op=True).wait()
+    want = sum((_input(r, numel, dtype, 3).float() for r in group.ranks), torch.zeros(numel))
+    return _close(t, want, group.size)
+
+
+def _broadcast(engine: Engine, group: Group, rank: int, dtype: torch.dtype, numel: int) -> bool:
+    src = group.ranks[-1]
+    t = _input(rank, numel, dtype, 4)
+    engine.broadcast(t, src, group)
+    return torch.equal(t.float(), _input(src, numel, dtype, 4).float())
+
+
+CHECKS: dict[str, Callable[[Engine, Group, int, torch.dtype, int], bool]] = {
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_reduce": _all_reduce,
+    "broadcast": _broadcast,
+}
+
+
+def _check_many_async(engine: Engine, group: Group, rank: int) -> list[str]:
+    """24 outstanding calls of mixed kinds, waited for in reverse order."""
+    sizes = [(i * 997) % 5000 + 1 for i in range(8)]
+    gathers = [torch.empty(n * group.size) for n in sizes]
+    reduces = [_input(rank, n, torch.float32, 5) for n in sizes]
+    scatters = [torch.empty(n) for n in sizes]
+    works = []
+    for i, n in enumerate(sizes):
+        works.append(engine.all_gather(gathers[i], _input(rank, n, torch.float32, 6), group, async_op=True))
+        works.append(engine.all_reduce(reduces[i], group, async_op=True))
+        works.append(
+            engine.reduce_scatter(scatters[i], _input(rank, n * group.size, torch.float32, 7), group, async_op=True)
+        )
+    for w in reversed(works):
+        w.wait(timeout=60)
+    bad = []
+    for i, n in enumerate(sizes):
+        if not torch.equal(gathers[i], torch.cat([_input(r, n, torch.float32, 6) for r in group.ranks])):
+            bad.append(f"async all_gather #{i}")
+        if not _close(
+            reduces[i], sum((_input(r, n, torch.float32, 5) for r in group.ranks), torch.zeros(n)), group.size
+        ):
+            bad.append(f"async all_reduce #{i}")
+        full = sum((_input(r, n * group.size, torch.float32, 7) for r in group.ranks), torch.zeros(n * group.size))
+        if not _close(scatters[i], full.view(group.size, n)[group.rank_of(rank)], group.size):
+            bad.append(f"async reduce_scatter #{i}")
+    return bad
+
+
+def parity_with_engine_stats(model: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """run_parity, plus the inner engine's name, routes and fallbacks (captured before shutdown)."""
+    made: list[Any] = []
+    original = api.make_engine
+
+    def spy(*args: Any, **kwargs: Any) -> Engine:
+        engine = original(*args, **kwargs)
+        made.append(engine)
+        return engine
+
+    api.make_engine = spy
+    try:
+        result: dict[str, Any] = dict(run_parity(model, knobs))
+    finally:
+        api.make_engine = original
+    engine = made[0]
+    result["engine"] = engine.name
+    result["fallbacks"] = dict(getattr(engine, "fallbacks", {}))
+    result["routes"] = dict(getattr(engine, "routes", {}))
+    return result

@@ -1,0 +1,44 @@
+"""One conformance suite run against every engine, plus training parity through the smddp engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardpar.collectives import shm
+from tests.multiproc.engine_conformance_cases import check_engine, parity_with_engine_stats
+
+SHM_OK, SHM_WHY = shm.available()
+ENGINES = ["native", pytest.param("smddp", marks=pytest.mark.skipif(not SHM_OK, reason=SHM_WHY))]
+SHARD = {"sdp_param_persistence_threshold": 10}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_engine_conformance(ranks, engine: str, world: int) -> None:
+    per_rank = ranks.run(world, check_engine, engine, timeout=300)
+    for rank, problems in enumerate(per_rank):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
+@pytest.mark.skipif(not SHM_OK, reason=SHM_WHY)
+@pytest.mark.parametrize("sdp", [1, 2])
+def test_training_parity_with_smddp(ranks, sdp: int) -> None:
+    knobs = {**SHARD, "ddp_dist_backend": "smddp", "sharded_data_parallel_degree": sdp}
+    result = ranks.run(2, parity_with_engine_stats, "mlp", knobs, timeout=300)[0]
+    assert result["engine"] == "smddp"
+    assert result["loss"] <= 1e-5 and result["param"] <= 1e-5, result
+    assert result["fallbacks"] == {}, result["fallbacks"]
+    shm_calls = sum(n for (op, route), n in result["routes"].items() if route == "shm")
+    assert shm_calls > 0, result["routes"]
+
+
+@pytest.mark.skipif(not SHM_OK, reason=SHM_WHY)
+def test_small_scratch_buffer_falls_back_and_counts(ranks) -> None:
+    knobs = {**SHARD, "ddp_dist_backend": "smddp", "sharded_data_parallel_degree": 2}
+    env = {"SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES": "8192"}
+    result = ranks.run(2, parity_with_engine_stats, "neox", knobs, env=env, timeout=300)[0]
+    assert result["loss"] <= 1e-5 and result["param"] <= 1e-5, result
+    assert result["fallbacks"].get(("all_gather", "scratch"), 0) > 0, result["fallbacks"]
+    # every unit's shard is above 8 KiB: all gathers fell back, the reductions still went through shm
+    assert result["routes"].get(("all_gather", "shm"), 0) == 0, result["routes"]
+    assert result["routes"].get(("reduce_scatter", "shm"), 0) > 0, result["routes"]
