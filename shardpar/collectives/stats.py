@@ -80,11 +80,17 @@ class CountingEngine:
         self.stats = stats or CommStats()
         self.name = inner.name
 
-    def _rec(self, op: str, group: Group, t: torch.Tensor, async_op: bool) -> None:
-        self.stats.record(CommRecord(op, group.kind, group.size, _nbytes(t), t.dtype, async_op, self.inner.name))
+    def _rec(self, op: str, group: Group, t: torch.Tensor, async_op: bool, routed: torch.Tensor | None = None) -> None:
+        """Record one call; `routed` is the tensor an engine with per-call routing decides on (the
+        AllGather input), so a fallback shows as engine "native-fallback"."""
+        engine = self.inner.name
+        route = getattr(self.inner, "route", None)
+        if route is not None and str(route(op, t if routed is None else routed, group)).startswith("native:"):
+            engine = "native-fallback"
+        self.stats.record(CommRecord(op, group.kind, group.size, _nbytes(t), t.dtype, async_op, engine))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False) -> Work:
-        self._rec("all_gather", group, output, async_op)
+        self._rec("all_gather", group, output, async_op, routed=input)
         return self.inner.all_gather(output, input, group, async_op=async_op)
 
     def reduce_scatter(

@@ -150,11 +150,24 @@ def parity_with_engine_stats(model: str, knobs: dict[str, Any]) -> dict[str, Any
         made.append(engine)
         return engine
 
+    counting: list[Any] = []
+    original_counting = api.CountingEngine
+
+    def counting_spy(inner: Engine) -> Any:
+        counted = original_counting(inner)
+        counting.append(counted)
+        return counted
+
     api.make_engine = spy
+    api.CountingEngine = counting_spy  # type: ignore[assignment,misc]
     try:
         result: dict[str, Any] = dict(run_parity(model, knobs))
     finally:
         api.make_engine = original
+        api.CountingEngine = original_counting  # type: ignore[misc]
+    stats = counting[0].stats
+    records = [r for step in stats.history for r in step] + stats.current
+    result["recorded_engines"] = sorted({(r.op, r.engine) for r in records})
     engine = made[0]
     result["engine"] = engine.name
     result["fallbacks"] = dict(getattr(engine, "fallbacks", {}))

@@ -42,3 +42,6 @@ def test_small_scratch_buffer_falls_back_and_counts(ranks) -> None:
     # every unit's shard is above 8 KiB: all gathers fell back, the reductions still went through shm
     assert result["routes"].get(("all_gather", "shm"), 0) == 0, result["routes"]
     assert result["routes"].get(("reduce_scatter", "shm"), 0) > 0, result["routes"]
+    # and the per-step communication records show which calls fell back
+    assert ("all_gather", "native-fallback") in result["recorded_engines"], result["recorded_engines"]
+    assert ("reduce_scatter", "smddp") in result["recorded_engines"], result["recorded_engines"]
