@@ -7,7 +7,7 @@
  *   +-----------------+---------------------------------+---------+-------------------------------------+
  *   | shm_header      | rank_ctl[0] ... rank_ctl[n-1]   | pad to  | slot[r][b], r < n, b < NUM_BUFS,     |
  *   | (magic, counts, | one 128-byte line each: counter,| 4 KiB   | chunk_bytes each, page aligned:      |
- *   |  abort word)    | pid, closed flag, call ring     |         | slot[0][0] slot[0][1] slot[1][0] ... |
+ *   |  abort word)    | pid, cpu, closed, call ring     |         | slot[0][0] slot[0][1] slot[1][0] ... |
  *   +-----------------+---------------------------------+---------+-------------------------------------+
  *
  * [Note: shm synchronisation]
@@ -17,19 +17,23 @@
  * steps of one chunk through a rank's own slot; each rank double-buffers (NUM_BUFS slots), so it may
  * write step s+1 while peers still read step s. Before it rewrites slot b it waits until every peer
  * published "done reading" for the last step that used b (`free_seq[b]`).
- * Waiting spins briefly (50 us when every rank has a core, 1 us when ranks outnumber cores), then calls
- * sched_yield() for up to 200 us (hands the core to a peer that is runnable: 4 ranks on 2 cores, 64 KiB
- * all-gather 60-85 -> 30-50 us), then sleeps on the peer's counter with a futex (process-shared) in
- * short slices: pure spinning is 60x slower when ranks outnumber cores. Between slices it checks the
- * abort word, the peer's `closed` flag, the deadline (-> SHM_ETIMEDOUT naming the peer) and, every 50 ms,
- * whether every peer process is still alive (kill(pid, 0) plus the zombie state in /proc -> SHM_EPEERDEAD).
+ * Waiting spins briefly (50 us when every rank has a core, 1 us when ranks outnumber cores, not at all
+ * when the peer last ran on my CPU: 2 ranks that the scheduler put on one CPU took 65 us per 64 KiB
+ * all-gather with the spin, 15 us without), then calls sched_yield() for up to 200 us (hands the core
+ * to a peer that is runnable: 4 ranks on 2 cores, 64 KiB all-gather 60-85 -> 30-50 us), then sleeps on
+ * the peer's counter with a futex (process-shared) in short slices: pure spinning is 60x slower when
+ * ranks outnumber cores. Between slices it checks the abort word, the peer's `closed` flag, the deadline
+ * (-> SHM_ETIMEDOUT naming the peer) and, every 50 ms, whether every peer process is still alive
+ * (kill(pid, 0) plus the zombie state in /proc -> SHM_EPEERDEAD).
  * The first rank to fail stores the reason in the abort word and wakes everyone, so peers fail fast with
  * the same reason instead of waiting out their own timeouts.
  *
  * [Note: shm name lifetime]
  * Index 0 creates the segment (O_EXCL, 0600); the others retry shm_open until it exists. The last rank to
  * attach unlinks the name at once: the mappings stay valid, and no later crash (even SIGKILL of every
- * rank) can leak a /dev/shm entry. Before that point a failing rank (timeout, dead creator) unlinks it.
+ * rank) can leak a /dev/shm entry. Before that point a failing rank (timeout, dead creator) unlinks it;
+ * only if every rank dies inside the attach window does the name stay (the next creator with the same
+ * key then fails with EEXIST and says so).
  */
 #define _GNU_SOURCE
 #include "shm_transport.h"
@@ -82,7 +86,7 @@ typedef struct {
     _Atomic uint32_t cnt;
     _Atomic int32_t pid;
     _Atomic uint32_t closed;
-    uint32_t pad0;
+    _Atomic int32_t cpu; /* where this rank last ran: no point spinning for a peer that shares my CPU */
     _Atomic uint64_t pidns;                /* inode of /proc/self/ns/pid: pids compare only within one */
     _Atomic uint64_t call_ring[CALL_RING]; /* (call number << 32) | descriptor hash, for mismatch checks */
     char pad[LINE - 24 - 8 * CALL_RING];
@@ -263,19 +267,24 @@ static int check_desc(shm_comm *c, int peer) {
 /* Wait until peer's counter reaches target. */
 static int wait_peer(shm_comm *c, int peer, uint32_t target) {
     _Atomic uint32_t *cnt = &c->ctl[peer].cnt;
-    long long start = 0, last_check = 0;
+    long long start = 0, last_check = 0, spin_ns = c->spin_ns;
     for (;;) {
         uint32_t v = atomic_load_explicit(cnt, memory_order_acquire);
         if (reached(v, target)) break;
         uint64_t ab = atomic_load(&c->hdr->abort_word);
         if (ab != 0) return abort_status(c, ab);
         long long t = now_ns();
-        if (start == 0) start = last_check = t;
-        if (t - start < c->spin_ns) {
+        if (start == 0) {
+            start = last_check = t;
+            int cpu = sched_getcpu();
+            atomic_store_explicit(&c->ctl[c->index].cpu, cpu, memory_order_relaxed);
+            if (cpu == atomic_load_explicit(&c->ctl[peer].cpu, memory_order_relaxed)) spin_ns = 0;
+        }
+        if (t - start < spin_ns) {
             for (int i = 0; i < 4; i++) cpu_relax();
             continue;
         }
-        if (t - start < c->spin_ns + YIELD_NS) {
+        if (t - start < spin_ns + YIELD_NS) {
             sched_yield();
             continue;
         }
@@ -310,6 +319,7 @@ static int wait_all(shm_comm *c, uint32_t target) {
 }
 
 static void publish(shm_comm *c, uint32_t by) {
+    atomic_store_explicit(&c->ctl[c->index].cpu, sched_getcpu(), memory_order_relaxed);
     c->seq += by;
     atomic_store(&c->ctl[c->index].cnt, c->seq); /* seq_cst: release for the data, and Dekker with sleepers */
     if (atomic_load(&c->hdr->sleepers) != 0) futex_wake_all(&c->ctl[c->index].cnt);
@@ -419,7 +429,9 @@ static void copy_bytes(void *dst, const void *src, size_t n, int nt) {
 /* ------------------------------------------------------------------------------------------------ */
 /* reduction kernels: fp32 accumulation in source order, one rounding (bit-exact with torch's casts)  */
 
-typedef void (*reduce_fn)(void *dst, const void *const *srcs, int n, size_t begin, size_t end, int avg);
+/* dst[i] (and dst2[i] when dst2 != NULL) = round(sum_r srcs[r][i] (/ n)), for i in [begin, end). */
+typedef void (*reduce_fn)(void *dst, void *dst2, const void *const *srcs, int n, size_t begin, size_t end,
+                          int avg);
 
 static inline float f32_from_bits(uint32_t u) {
     float f;
@@ -457,13 +469,15 @@ static inline void st_f16(void *p, size_t i, float f) { /* c10 fp16_ieee_from_fp
 }
 
 #define DEFINE_REDUCE_SCALAR(T)                                                                      \
-    static void reduce_##T##_scalar(void *dst, const void *const *s, int n, size_t begin, size_t end, \
-                                    int avg) {                                                      \
+    static void reduce_##T##_scalar(void *dst, void *dst2, const void *const *s, int n, size_t begin,  \
+                                    size_t end, int avg) {                                          \
         const float fn = (float)n;                                                                  \
         for (size_t i = begin; i < end; i++) {                                                      \
             float acc = ld_##T(s[0], i);                                                            \
             for (int r = 1; r < n; r++) acc += ld_##T(s[r], i);                                     \
-            st_##T(dst, i, avg ? acc / fn : acc);                                                   \
+            if (avg) acc /= fn;                                                                     \
+            st_##T(dst, i, acc);                                                                    \
+            if (dst2 != NULL) st_##T(dst2, i, acc);                                                 \
         }                                                                                           \
     }
 DEFINE_REDUCE_SCALAR(f32)
@@ -497,9 +511,11 @@ T256 static inline void v8_st_f16(void *p, size_t i, __m256 v) {
     _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_cvtps_ph(v, RNE_FLAGS));
 }
 
+#define V8_STORE4(T, D, i, a0, a1, a2, a3)                                                            \
+    v8_st_##T(D, i, a0), v8_st_##T(D, i + 8, a1), v8_st_##T(D, i + 16, a2), v8_st_##T(D, i + 24, a3)
 #define DEFINE_REDUCE_AVX2(T)                                                                         \
-    T256 static void reduce_##T##_avx2(void *dst, const void *const *s, int n, size_t begin, size_t end, \
-                                       int avg) {                                                     \
+    T256 static void reduce_##T##_avx2(void *dst, void *dst2, const void *const *s, int n, size_t begin, \
+                                       size_t end, int avg) {                                         \
         const __m256 vn = _mm256_set1_ps((float)n);                                                   \
         size_t i = begin;                                                                             \
         for (; i + 32 <= end; i += 32) {                                                              \
@@ -515,15 +531,17 @@ T256 static inline void v8_st_f16(void *p, size_t i, __m256 v) {
                 a0 = _mm256_div_ps(a0, vn), a1 = _mm256_div_ps(a1, vn);                               \
                 a2 = _mm256_div_ps(a2, vn), a3 = _mm256_div_ps(a3, vn);                               \
             }                                                                                         \
-            v8_st_##T(dst, i, a0), v8_st_##T(dst, i + 8, a1);                                         \
-            v8_st_##T(dst, i + 16, a2), v8_st_##T(dst, i + 24, a3);                                   \
+            V8_STORE4(T, dst, i, a0, a1, a2, a3);                                                     \
+            if (dst2 != NULL) V8_STORE4(T, dst2, i, a0, a1, a2, a3);                                  \
         }                                                                                             \
         for (; i + 8 <= end; i += 8) {                                                                \
             __m256 a = v8_ld_##T(s[0], i);                                                            \
             for (int r = 1; r < n; r++) a = _mm256_add_ps(a, v8_ld_##T(s[r], i));                     \
-            v8_st_##T(dst, i, avg ? _mm256_div_ps(a, vn) : a);                                        \
+            if (avg) a = _mm256_div_ps(a, vn);                                                        \
+            v8_st_##T(dst, i, a);                                                                     \
+            if (dst2 != NULL) v8_st_##T(dst2, i, a);                                                  \
         }                                                                                             \
-        reduce_##T##_scalar(dst, s, n, i, end, avg);                                                  \
+        reduce_##T##_scalar(dst, dst2, s, n, i, end, avg);                                            \
     }
 DEFINE_REDUCE_AVX2(f32)
 DEFINE_REDUCE_AVX2(bf16)
@@ -553,9 +571,12 @@ T512 static inline void v16_st_f16(void *p, size_t i, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtps_ph(v, RNE_FLAGS));
 }
 
+#define V16_STORE4(T, D, i, a0, a1, a2, a3, m)                                                         \
+    v16_st_##T(D, i, a0, m), v16_st_##T(D, i + 16, a1, m), v16_st_##T(D, i + 32, a2, m),               \
+        v16_st_##T(D, i + 48, a3, m)
 #define DEFINE_REDUCE_AVX512(T)                                                                         \
-    T512 static void reduce_##T##_avx512(void *dst, const void *const *s, int n, size_t begin, size_t end, \
-                                         int avg) {                                                     \
+    T512 static void reduce_##T##_avx512(void *dst, void *dst2, const void *const *s, int n, size_t begin, \
+                                         size_t end, int avg) {                                         \
         const __m512 vn = _mm512_set1_ps((float)n);                                                     \
         const __mmask16 all = 0xFFFF;                                                                   \
         size_t i = begin;                                                                               \
@@ -572,14 +593,16 @@ T512 static inline void v16_st_f16(void *p, size_t i, __m512 v, __mmask16 m) {
                 a0 = _mm512_div_ps(a0, vn), a1 = _mm512_div_ps(a1, vn);                                 \
                 a2 = _mm512_div_ps(a2, vn), a3 = _mm512_div_ps(a3, vn);                                 \
             }                                                                                           \
-            v16_st_##T(dst, i, a0, all), v16_st_##T(dst, i + 16, a1, all);                              \
-            v16_st_##T(dst, i + 32, a2, all), v16_st_##T(dst, i + 48, a3, all);                         \
+            V16_STORE4(T, dst, i, a0, a1, a2, a3, all);                                                 \
+            if (dst2 != NULL) V16_STORE4(T, dst2, i, a0, a1, a2, a3, all);                              \
         }                                                                                               \
         for (; i < end; i += 16) {                                                                      \
             __mmask16 m = end - i >= 16 ? all : (__mmask16)((1u << (end - i)) - 1u);                    \
             __m512 a = v16_ld_##T(s[0], i, m);                                                          \
             for (int r = 1; r < n; r++) a = _mm512_add_ps(a, v16_ld_##T(s[r], i, m));                   \
-            v16_st_##T(dst, i, avg ? _mm512_div_ps(a, vn) : a, m);                                      \
+            if (avg) a = _mm512_div_ps(a, vn);                                                          \
+            v16_st_##T(dst, i, a, m);                                                                   \
+            if (dst2 != NULL) v16_st_##T(dst2, i, a, m);                                                \
         }                                                                                               \
     }
 DEFINE_REDUCE_AVX512(f32)
@@ -629,7 +652,7 @@ SHM_API int shm_reduce(void *dst, const void *const *srcs, int nsrc, uint64_t co
     if (nsrc < 1 || dtype < 0 || dtype > 2 || (op != SHM_OP_SUM && op != SHM_OP_AVG) || isa < 0 ||
         isa > supported_isa())
         return SHM_EINVAL;
-    KERNELS[isa][dtype](dst, srcs, nsrc, 0, (size_t)count, op == SHM_OP_AVG);
+    KERNELS[isa][dtype](dst, NULL, srcs, nsrc, 0, (size_t)count, op == SHM_OP_AVG);
     return SHM_OK;
 }
 
@@ -677,6 +700,7 @@ static int create_segment(shm_comm *c) {
     h->total_bytes = c->map_bytes;
     h->data_offset = data_offset_for(c->nranks);
     atomic_store(&c->ctl[0].pidns, c->pidns);
+    atomic_store(&c->ctl[0].cpu, sched_getcpu());
     atomic_store(&c->ctl[0].pid, (int32_t)getpid());
     atomic_store(&h->attached, 1);
     atomic_store(&h->magic, SHM_MAGIC); /* last: openers wait for it */
@@ -727,6 +751,7 @@ static int open_segment(shm_comm *c, long long deadline) {
                     (unsigned long long)h->chunk_bytes, h->version, c->nranks, (unsigned long long)c->chunk_bytes);
     int32_t none = 0;
     atomic_store(&c->ctl[c->index].pidns, c->pidns);
+    atomic_store(&c->ctl[c->index].cpu, sched_getcpu());
     if (!atomic_compare_exchange_strong(&c->ctl[c->index].pid, &none, (int32_t)getpid()))
         return fail(c, SHM_EINVAL, "shm connect: local index %d already attached to %s (pid %d): duplicate index?",
                     c->index, c->name, (int)none);
@@ -897,7 +922,7 @@ SHM_API int shm_comm_reduce_scatter(shm_comm *c, void *out, const void *in, uint
         if ((st = wait_all(c, c->seq)) != SHM_OK) return st;
         for (int r = 0; r < n; r++)
             srcs[r] = r == me ? src + ((size_t)me * count + off) * esz : slot(c, r, b) + (size_t)me * P * esz;
-        kernel((char *)out + off * esz, srcs, n, 0, len, op == SHM_OP_AVG);
+        kernel((char *)out + off * esz, NULL, srcs, n, 0, len, op == SHM_OP_AVG);
         publish(c, 1);
         c->free_seq[b] = c->seq;
     }
@@ -920,7 +945,7 @@ static int all_reduce_one_phase(shm_comm *c, char *buf, uint64_t count, size_t e
         publish(c, 1);
         if ((st = wait_all(c, c->seq)) != SHM_OK) return st;
         for (int r = 0; r < n; r++) srcs[r] = slot(c, r, b);
-        kernel(buf + off * esz, srcs, n, 0, len, avg);
+        kernel(buf + off * esz, NULL, srcs, n, 0, len, avg);
         publish(c, 1);
         c->free_seq[b] = c->seq;
     }
@@ -929,7 +954,7 @@ static int all_reduce_one_phase(shm_comm *c, char *buf, uint64_t count, size_t e
 
 /* AllReduce = ReduceScatter + AllGather through the same slot, per step of n*P elements cut in n pieces:
  *   1. pieces j != me of the step -> slot[me][b] piece j                          publish W
- *   2. reduce piece me: my buf + piece me of every peer's slot -> slot[me][b] piece me (and my buf)
+ *   2. reduce piece me: my buf + piece me of every peer's slot -> slot[me][b] piece me and my buf
  *                                                                                   publish D
  *   3. piece j of slot[j][b] -> buf, for every j != me                             publish R
  * Per element a rank copies (n-1)/n in and (n-1)/n out and reduces 1/n. The alternatives we measured move
@@ -956,8 +981,7 @@ static int all_reduce_two_phase(shm_comm *c, char *data, uint64_t count, size_t 
         if (hi[me] > lo[me]) {
             if ((st = wait_all(c, c->seq)) != SHM_OK) return st;
             for (int r = 0; r < n; r++) srcs[r] = r == me ? chunk + lo[me] * esz : slot(c, r, b) + lo[me] * esz;
-            kernel(mine + lo[me] * esz, srcs, n, 0, hi[me] - lo[me], avg);
-            copy_bytes(chunk + lo[me] * esz, mine + lo[me] * esz, (hi[me] - lo[me]) * esz, 0);
+            kernel(mine + lo[me] * esz, chunk + lo[me] * esz, srcs, n, 0, hi[me] - lo[me], avg);
         }
         publish(c, 1);
         const uint32_t reduced = c->seq;
