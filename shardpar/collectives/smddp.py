@@ -297,3 +297,10 @@ def _job_key(collective: bool) -> str:
     if collective:
         dist.broadcast_object_list(box, src=0)
     return f"j{box[0]}"
+
+
+# Importing this module makes `init_process_group(backend="smddp")` work (reference 000: SMDDP is the
+# backend of DDP, FSDP and DeepSpeed); see shardpar/collectives/torch_backend.py.
+from shardpar.collectives.torch_backend import register as _register_torch_backend  # noqa: E402
+
+_register_torch_backend()
