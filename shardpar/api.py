@@ -78,13 +78,13 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     cfg = Config.from_any(config)
     world, rank = _world_and_rank()
     cfg.check_world(world)
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    device = _pick_device(local_rank)
-    owns = _init_default_group(world, rank, cfg.collective_timeout_s, device)
+    local_rank, local_size = _local_rank_and_size(rank, world)
+    # Pure arithmetic: a layout error is raised here, before any process group exists.
     the_plan = plan(
         world, cfg.tensor_parallel_degree, cfg.sharded_data_parallel_degree, cfg.ranks_per_node or local_size
     )
+    device = _pick_device(local_rank)
+    owns = _init_default_group(world, rank, cfg.collective_timeout_s, device)
     topology = Topology(the_plan, rank, timeout_s=cfg.collective_timeout_s)
     engine = CountingEngine(
         make_engine(
@@ -124,6 +124,21 @@ def shutdown() -> None:
 
 def is_initialized() -> bool:
     return _STATE is not None
+
+
+def _local_rank_and_size(rank: int, world: int) -> tuple[int, int]:
+    """LOCAL_RANK / LOCAL_WORLD_SIZE as torchrun sets them (defaults: one node holding every rank)."""
+    values = {
+        "LOCAL_RANK": os.environ.get("LOCAL_RANK", str(rank)),
+        "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE", str(world)),
+    }
+    try:
+        return int(values["LOCAL_RANK"]), int(values["LOCAL_WORLD_SIZE"])
+    except ValueError:
+        raise ValueError(
+            f"LOCAL_RANK={values['LOCAL_RANK']!r} / LOCAL_WORLD_SIZE={values['LOCAL_WORLD_SIZE']!r} must be integers; "
+            "launch with torchrun (which sets them) or unset them"
+        ) from None
 
 
 def _world_and_rank() -> tuple[int, int]:

@@ -65,7 +65,11 @@ class Plan:
                 f"(world {self.world} / tp {self.tp})"
             )
         if self.world % self.ranks_per_node:
-            raise ValueError(f"plan: ranks_per_node={self.ranks_per_node} must divide world {self.world}")
+            divisors = [d for d in range(1, self.world + 1) if self.world % d == 0]
+            raise ValueError(
+                f"ranks_per_node={self.ranks_per_node} (the ranks_per_node knob, else LOCAL_WORLD_SIZE) must "
+                f"divide the world size {self.world}; use one of {divisors}"
+            )
 
     @property
     def rdp(self) -> int:

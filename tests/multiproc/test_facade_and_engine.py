@@ -158,6 +158,21 @@ def test_missing_peer_is_an_error_not_a_hang(ranks) -> None:
     assert results[0].startswith("error"), results
 
 
+@pytest.mark.parametrize(
+    ("local_world_size", "pattern"),
+    [("3", r"ranks_per_node=3 .* must divide the world size 4; use one of \[1, 2, 4\]"), ("x", r"must be integers")],
+)
+def test_bad_launcher_env_is_an_error_before_any_group(monkeypatch, local_world_size: str, pattern: str) -> None:
+    # No MASTER_ADDR: had init tried to create the process group first, it would fail with another error.
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    with pytest.raises(ValueError, match=pattern):
+        smp.init({})
+    assert not smp.is_initialized()
+
+
 def test_world_of_one_without_launcher(monkeypatch) -> None:
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)

@@ -98,7 +98,7 @@ def test_layout_invariants(layout: tuple[int, int, int, int]) -> None:
     [
         ((8, 3, 1, 8), r"tensor_parallel_degree=3 must divide world 8"),
         ((8, 2, 3, 8), r"sharded_data_parallel_degree=3 must divide the rdp degree 4"),
-        ((8, 1, 1, 3), r"ranks_per_node=3 must divide world 8"),
+        ((8, 1, 1, 3), r"ranks_per_node=3 .* must divide the world size 8; use one of \[1, 2, 4, 8\]"),
         ((0, 1, 1, 1), r"world=0 must be >= 1"),
     ],
 )
