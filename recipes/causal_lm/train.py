@@ -100,7 +100,7 @@ def _setup(opts: Options) -> _Job:
     lr = opts.lr if opts.lr is not None else models.default_lr(opts.model, opts.size)
     job = _Job(opts, model, optimizer, tokenizer, tokens, hf_config, lr, progress, result)
     if opts.resume:
-        content = ckpt.resume(opts.checkpoint_path, opts.resume, model=model, optimizer=optimizer)
+        content = ckpt.resume(opts.checkpoint_path, opts.resume)
         result.start_step = int(content["step"])
         job.say(f"resumed from {opts.checkpoint_path} ({opts.resume}) at step {result.start_step}")
     if job.is_first:
@@ -230,11 +230,6 @@ def _record(job: _Job, step: int, gathered: list[Any], lr: float, elapsed: float
 
 
 def _save(job: _Job, step: int, tokens: int) -> None:
-    reason = ckpt.unavailable_reason()
-    if reason is not None:
-        if step == job.opts.checkpoint_every:
-            job.say(f"checkpoints skipped: {reason}")
-        return
     try:
         path = ckpt.save(
             job.opts.checkpoint_path,
@@ -331,10 +326,6 @@ def _plot(metrics: Path, path: Path) -> Path:
 
 
 def _export(job: _Job) -> str | None:
-    reason = ckpt.unavailable_reason()
-    if reason is not None:
-        job.say(f"Hugging Face export skipped: {reason}")
-        return None
     try:
         path = ckpt.export(Path(job.opts.out) / "export", "final", model=job.model)
     except ValueError as err:

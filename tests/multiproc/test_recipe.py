@@ -3,9 +3,10 @@ memory it measures from live tensors matches `shardpar estimate` within 10%."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,6 @@ import pytest
 from recipes.causal_lm.options import Options, parse_args
 from recipes.causal_lm.report import read_metrics
 from recipes.causal_lm.train import RunResult, run
-
-HAS_CHECKPOINTS = importlib.util.find_spec("shardpar.checkpoint") is not None
 
 TINY = {"sdp_param_persistence_threshold": 1000}
 
@@ -32,7 +31,6 @@ def _within(measured: int, estimated: int, tol: float = 0.10) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_CHECKPOINTS, reason="shardpar.checkpoint (save/resume) is not in this build")
 def test_recipe_trains_then_resume_continues_exactly(ranks, tmp_path: Path) -> None:
     straight = ranks.run(4, run, _opts(tmp_path / "a", checkpoint_every=10), timeout=300)
     first: RunResult = straight[0]
@@ -127,3 +125,20 @@ def test_png_progress_and_smoothing(tmp_path: Path) -> None:
     assert bar.getvalue().startswith("\rstep 1/2") and "\n" not in bar.getvalue()
     assert log.getvalue().startswith("step 1/2") and log.getvalue().endswith("\n")
     assert "rss/rank 100-110 MiB" in log.getvalue() and "1,000 tok/s" in log.getvalue()
+
+
+@pytest.mark.slow
+def test_recipe_script_under_torchrun_llama_tp2_bf16(tmp_path: Path) -> None:
+    """The user's own command: torchrun on recipes/train_causal_lm.py, Llama with tp 2 x sdp 2, bf16."""
+    script = Path(__file__).resolve().parents[2] / "recipes" / "train_causal_lm.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script)]
+    cmd += ["--model", "llama", "--tp", "2", "--sdp", "2", "--bf16", "--steps", "6", "--batch", "2", "--seq", "32"]
+    cmd += ["--lr", "3e-3", "--warmup", "1", "--sample-tokens", "4", "--progress", "lines", "--out", str(tmp_path)]
+    cmd += ["--smp", "sdp_param_persistence_threshold=1000"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    losses = [r["loss"] for r in records]
+    assert [r["step"] for r in records] == list(range(1, 7)) and losses[-1] < losses[0], losses
+    config = json.loads((tmp_path / "export" / "final" / "config.json").read_text())
+    assert config["model_type"] == "llama" and "export:" in proc.stdout and "sample:" in proc.stdout
