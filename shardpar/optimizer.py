@@ -9,6 +9,7 @@ keep working on the same optimizer object. Persistent parameters are stepped as 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from shardpar.model import DistributedModel
 from shardpar.persistent import PersistentParams
-from shardpar.precision import LossScaler, StaticLossScaler
+from shardpar.precision import LossScaler, ScalerResume, StaticLossScaler, plan_scaler_resume, precision_name
 from shardpar.tensor_parallel import tp_grad_norm_squared, tp_split_table
 from shardpar.unit import Unit
 
@@ -134,13 +135,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 grad.mul_(coef)
         return norm[0]
 
+    def _check_window(self) -> None:
+        """Refuse a step inside an accumulation window, before anything changes: the main grads are
+        partial sums not yet AllReduced over the replication group, so the replicas would diverge.
+
+        The window is the model's own: backward_passes_per_step, times smp.step's micro-batches
+        while smp.step runs. Once smp.step has returned the model no longer knows its micro-batch
+        count, so with `microbatches` m > 1 a step is caught only when the backward count is not a
+        multiple of backward_passes_per_step (k = 2, m = 2: a step after one smp.step call passes).
+        """
+        model = self.model
+        window = model.backward_passes_per_step * model.microbatches_in_step
+        done = model.num_backward % window
+        if done:
+            per_step = model.backward_passes_per_step
+            micro = f" x {model.microbatches_in_step} micro-batches" if model.microbatches_in_step > 1 else ""
+            raise ValueError(
+                f"optimizer.step() after {done} of the {window} backward passes of an accumulation window "
+                f"(backward_passes_per_step={per_step}{micro}): the gradients are not reduced over the "
+                f"replication group until the window ends. Call step() after every {window} backward passes, "
+                "or lower backward_passes_per_step"
+            )
+
     def step(self, closure: Any = None) -> Any:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure (the model is sharded)")
-        needs_norm = self.clip_norm > 0 or self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0
+        self._check_window()
+        fp16 = self.model.policy.compute == torch.float16
+        needs_norm = fp16 or self.clip_norm > 0 or self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0
         sq = self.grad_norm_squared() if needs_norm else None
-        if sq is not None and self.model.policy.compute == torch.float16:
-            # fp16: the only host sync of the step, needed to decide the skip on every rank alike.
+        if sq is not None and fp16:
+            # fp16, whatever the scale and clipping: an inf/nan on any rank makes the norm's one
+            # AllReduce non-finite everywhere. The only host sync of the step, needed to decide the
+            # skip on every rank alike.
             self.overflow = not bool(torch.isfinite(sq).item())
             self.loss_scaler.update(self.overflow)
             if self.overflow:
@@ -191,15 +218,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (for its shards) in torch.optim's format, plus the loss scaler."""
-        return {**self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
+        return {**self.optimizer.state_dict(), "loss_scaler": self.loss_scaler_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load `state_dict()`; the loss scaler follows [Note: loss scaler on resume] (precision.py),
+        decided (and a malformed scaler state rejected) before anything is loaded."""
         state = dict(state_dict)
         scaler = state.pop("loss_scaler", None)
+        plan = self.plan_loss_scaler_load(scaler) if scaler is not None else None
         self.optimizer.load_state_dict(state)
-        if scaler is not None:
-            self.loss_scaler.load_state_dict(scaler)
-            self.model.loss_scale = self.loss_scaler.loss_scale
+        if scaler is not None and plan is not None:
+            self.load_loss_scaler_state(scaler, plan)
+
+    # ---- loss scaler in checkpoints -----------------------------------------------------------
+
+    def loss_scaler_state(self) -> dict[str, Any]:
+        """The scaler's state and the precision it served, so a resume can tell whether it applies."""
+        return {**self.loss_scaler.state_dict(), "precision": precision_name(self.model.policy.compute)}
+
+    def plan_loss_scaler_load(self, saved: dict[str, Any]) -> ScalerResume:
+        """Whether `saved` applies to this run; ValueError naming the field when it is malformed."""
+        return plan_scaler_resume(saved, self.loss_scaler, self.model.policy.compute)
+
+    def load_loss_scaler_state(self, saved: dict[str, Any], plan: ScalerResume) -> None:
+        if plan.warning is not None:
+            warnings.warn(plan.warning, stacklevel=3)
+        if plan.apply:
+            self.loss_scaler.load_state_dict(saved)
+        self.model.loss_scale = self.loss_scaler.loss_scale  # what model.backward multiplies by
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         raise ValueError("add_param_group after wrapping is not supported; build all groups before wrapping")

@@ -11,6 +11,9 @@ The dynamic scaler follows the SMP v1 / DeepSpeed `DynamicLossScaler` arguments 
 
 from __future__ import annotations
 
+import difflib
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +50,64 @@ def _name(dtype: torch.dtype) -> str:
     return next(k for k, v in _DTYPES.items() if v == dtype)
 
 
+def precision_name(dtype: torch.dtype) -> str:
+    """'fp32', 'bf16' or 'fp16': how checkpoints record the compute dtype."""
+    return _name(dtype)
+
+
+# ---- loss scalers ---------------------------------------------------------------------------------
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_Rule = tuple[Callable[[Any], bool], str]
+_STATIC_RULES: dict[str, _Rule] = {"loss_scale": (lambda v: _number(v) and v > 0, "a finite number > 0")}
+_DYNAMIC_RULES: dict[str, _Rule] = {
+    **_STATIC_RULES,
+    "scale_factor": (lambda v: _number(v) and v > 1, "a finite number > 1"),
+    "scale_window": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "min_scale": (lambda v: _number(v) and v > 0, "a finite number > 0"),
+    "delayed_shift": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "consecutive_hysteresis": (lambda v: isinstance(v, bool), "true or false"),
+    "cur_hysteresis": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "cur_iter": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    "last_overflow_iter": (lambda v: _integer(v) and v >= -1, "an integer >= -1"),
+}
+_RULES = {"static": _STATIC_RULES, "dynamic": _DYNAMIC_RULES}
+
+
+def check_scaler_state(state: Any) -> None:
+    """Raise ValueError naming the first malformed field (`loss_scaler.<field>`) of a saved state.
+
+    A state is {"kind": "static" | "dynamic", <the kind's fields>, "precision"?: "fp32" | "bf16" |
+    "fp16"}; `precision` (the compute dtype of the run that saved it) is absent in older checkpoints.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"loss_scaler: expected an object, got {type(state).__name__}")
+    kind = state.get("kind")
+    rules = _RULES.get(kind) if isinstance(kind, str) else None
+    if rules is None:
+        raise ValueError(f"loss_scaler.kind: {kind!r} is neither 'static' nor 'dynamic'")
+    for name, (ok, what) in rules.items():
+        if name not in state:
+            raise ValueError(f"loss_scaler.{name}: missing (a {kind} scaler's state holds {', '.join(rules)})")
+        if not ok(state[name]):
+            raise ValueError(f"loss_scaler.{name}: {state[name]!r} is not {what}")
+    precision = state.get("precision")
+    if precision is not None and precision not in _DTYPES:
+        raise ValueError(f"loss_scaler.precision: {precision!r} is not one of {', '.join(_DTYPES)}")
+
+
 class StaticLossScaler:
     """A fixed scale (1.0 means no scaling)."""
 
+    kind = "static"
     dynamic = False
 
     def __init__(self, scale: float = 1.0) -> None:
@@ -61,15 +119,23 @@ class StaticLossScaler:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "static", "loss_scale": self.loss_scale}
+        return {"kind": self.kind, "loss_scale": self.loss_scale}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _check_kind(state, self.kind)
         self.loss_scale = float(state["loss_scale"])
 
 
 class DynamicLossScaler:
-    """Halve on overflow (after `delayed_shift` overflows), double after `scale_window` clean steps."""
+    """Halve on overflow (after `delayed_shift` overflows), double after `scale_window` clean steps.
 
+    The update rule of SMP v1 and of Megatron-LM / DeepSpeed's `DynamicLossScaler` (before DeepSpeed's
+    `stable_interval` rewrite, which grows one clean step later): after an overflow at iteration o
+    the scale grows at iteration o + scale_window, i.e. after `scale_window` clean steps. Unlike
+    DeepSpeed's default `raise_error_at_min_scale`, an overflow at `min_scale` keeps `min_scale`.
+    """
+
+    kind = "dynamic"
     dynamic = True
 
     def __init__(
@@ -121,41 +187,88 @@ class DynamicLossScaler:
                 self.loss_scale *= self.scale_factor
         self.cur_iter += 1
 
-    _FIELDS = (
-        "loss_scale",
-        "scale_factor",
-        "scale_window",
-        "min_scale",
-        "delayed_shift",
-        "consecutive_hysteresis",
-        "cur_hysteresis",
-        "cur_iter",
-        "last_overflow_iter",
-    )
-
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "dynamic", **{f: getattr(self, f) for f in self._FIELDS}}
+        return {"kind": self.kind, **{f: getattr(self, f) for f in _DYNAMIC_RULES}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for f in self._FIELDS:
-            setattr(self, f, state[f])
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _check_kind(state, self.kind)
+        for name in ("loss_scale", "scale_factor", "min_scale"):
+            setattr(self, name, float(state[name]))
+        for name in ("scale_window", "delayed_shift", "cur_hysteresis", "cur_iter", "last_overflow_iter"):
+            setattr(self, name, int(state[name]))
+        self.consecutive_hysteresis = bool(state["consecutive_hysteresis"])
+
+
+def _check_kind(state: Mapping[str, Any], kind: str) -> None:
+    """Validate the whole state before a scaler changes anything."""
+    check_scaler_state(state)
+    if state["kind"] != kind:
+        raise ValueError(f"loss_scaler.kind: a {state['kind']} scaler's state cannot load into a {kind} scaler")
 
 
 LossScaler = StaticLossScaler | DynamicLossScaler
 
-_DYNAMIC_ARGS = {"init_scale", "scale_factor", "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis"}
+_DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis")
 
 
 def make_loss_scaler(
     policy: DtypePolicy, *, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args: dict[str, Any] | None
 ) -> LossScaler:
     """fp16 gets the scaler the user asked for; bf16/fp32 never scale (their range needs none)."""
+    args = dict(dynamic_loss_args or {})
+    unknown = sorted(set(args) - set(_DYNAMIC_ARGS))
+    if unknown:
+        hints = [f"{k!r} -> {m[0]!r}" for k in unknown if (m := difflib.get_close_matches(k, _DYNAMIC_ARGS, n=1))]
+        raise ValueError(
+            f"dynamic_loss_args has unknown keys {unknown}; the known keys are {', '.join(_DYNAMIC_ARGS)}"
+            + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+        )
     if policy.compute != torch.float16:
         return StaticLossScaler(1.0)
     if not dynamic_loss_scale:
         return StaticLossScaler(static_loss_scale)
-    args = dict(dynamic_loss_args or {})
-    unknown = set(args) - _DYNAMIC_ARGS
-    if unknown:
-        raise ValueError(f"dynamic_loss_args has unknown keys {sorted(unknown)}; known: {sorted(_DYNAMIC_ARGS)}")
     return DynamicLossScaler(**args)
+
+
+# ---- loss-scaler state on resume ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScalerResume:
+    """Whether a saved loss-scaler state applies to this run; if not, and it matters, why (one line)."""
+
+    apply: bool
+    warning: str | None = None
+
+
+def _saved_precision(state: Mapping[str, Any]) -> str | None:
+    """The precision that saved `state`; None: a run without loss scaling (checkpoints that predate
+    the `precision` field and hold a static scale of 1.0)."""
+    if state.get("precision") is not None:
+        return str(state["precision"])
+    return "fp16" if state["kind"] == "dynamic" or float(state["loss_scale"]) != 1.0 else None
+
+
+def plan_scaler_resume(saved: Mapping[str, Any], scaler: LossScaler, compute: torch.dtype) -> ScalerResume:
+    """[Note: loss scaler on resume]
+    The saved state is applied only when this run uses fp16 with the same kind of scaler as the
+    fp16 run that saved it. Otherwise the current scaler keeps its configured initial state: an
+    fp16 checkpoint resumed in bf16/fp32 must not scale the loss (those never do), and an fp32/bf16
+    checkpoint holds no fp16 scale to resume. Decided before anything is loaded; a malformed state
+    raises ValueError naming the field."""
+    check_scaler_state(saved)
+    then, now = _saved_precision(saved), _name(compute)
+    if now == "fp16" and then == "fp16" and saved["kind"] == scaler.kind:
+        return ScalerResume(apply=True)
+    if now != "fp16" and then != "fp16":
+        return ScalerResume(apply=False)  # neither run scales its loss: nothing is lost
+    lead = "the saved loss-scaler state was not applied"
+    saved_scale = f"{saved['kind']} scaler at {float(saved['loss_scale']):g}"
+    starts = f"this fp16 run starts its {scaler.kind} scaler at the configured {scaler.loss_scale:g}"
+    if now != "fp16":
+        why = f"the checkpoint was saved in fp16 ({saved_scale}) and this {now} run does not scale its loss (1.0)"
+    elif then != "fp16":
+        why = f"the checkpoint was saved in {then or 'a run without loss scaling'}, which has no fp16 scale; {starts}"
+    else:
+        why = f"the checkpoint has an fp16 {saved_scale}, not a {scaler.kind} one; {starts}"
+    return ScalerResume(apply=False, warning=f"{lead}: {why}")

@@ -139,9 +139,14 @@ def save_checkpoint(
     user_content: Any = None,
     translate_if_full: bool = True,
     num_kept_partial_checkpoints: int | None = None,
+    *,
+    max_shard_size: int | None = None,
+    full_dtype: torch.dtype | None = None,
 ) -> None:
     """SMP v1 semantics: `partial=True` writes each shard once (replica 0), resumable under another
-    topology; `partial=False` writes a Hugging Face directory. Atomic: `newest` moves last."""
+    topology; `partial=False` writes a Hugging Face directory, split into files of at most
+    `max_shard_size` bytes and cast to `full_dtype` (default fp32) when given. Atomic: `newest`
+    moves last."""
     st = state()
     model = model or st.model
     if model is None:
@@ -157,6 +162,8 @@ def save_checkpoint(
         user_content=user_content,
         translate_if_full=translate_if_full,
         num_kept_partial_checkpoints=num_kept_partial_checkpoints,
+        max_shard_size=max_shard_size,
+        full_dtype=full_dtype,
     )
 
 

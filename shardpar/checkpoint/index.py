@@ -25,7 +25,9 @@ ranges it needs.
                   buffers: {name: {file, dtype, shape}},
                   optimizer: null | {class, param_groups: [{params: [fqn...], options}],
                                      state: {fqn: {tensors: {name: dtype}, scalars: {name: value}}}},
-                  loss_scaler, rng: {file, world}, user_content}
+                  loss_scaler: null | {kind: static | dynamic, loss_scale, <dynamic: its counters>,
+                                       precision: fp32 | bf16 | fp16 (absent before it was added)},
+                  rng: {file, world}, user_content}
 """
 
 from __future__ import annotations

@@ -132,7 +132,6 @@ class SaveJob:
             n: {"file": ix.shard_file(0), "dtype": dtype_name(b.dtype), "shape": list(b.shape)}
             for n, b in persistent_buffers(model).items()
         }
-        scaler = getattr(self.optimizer, "loss_scaler", None)
         return {
             "format": ix.FORMAT,
             "version": ix.VERSION,
@@ -146,7 +145,7 @@ class SaveJob:
             "params": params,
             "buffers": buffers,
             "optimizer": self._optimizer_entry(),
-            "loss_scaler": scaler.state_dict() if scaler is not None and hasattr(scaler, "state_dict") else None,
+            "loss_scaler": self.optimizer.loss_scaler_state() if self.optimizer is not None else None,
             "rng": {"file": ix.RNG_FILE, "world": plan.world},
             "user_content": self.user_content,
         }

@@ -30,6 +30,7 @@ from shardpar.checkpoint.placement import Cut, Segment, assemble, plan_fetch, re
 from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, dtype_of, misfit
 from shardpar.model import DistributedModel
 from shardpar.optimizer import DistributedOptimizer
+from shardpar.precision import ScalerResume
 
 
 class Reader:
@@ -94,6 +95,7 @@ class LoadJob:
     load_optimizer: bool
     world: int
     index: dict[str, Any] = field(default_factory=dict)
+    scaler_plan: ScalerResume | None = None  # set by check() when the optimizer's scaler is loaded
 
     @property
     def restores_rng(self) -> bool:
@@ -121,6 +123,7 @@ class LoadJob:
             raise misfit(self.directory, problems)
         if self.optimizer is not None and self.load_optimizer:
             self._check_optimizer()
+            self._check_loss_scaler(self.optimizer)
         for name in sorted(self._needed_files()):
             check_file(
                 self.directory / name,
@@ -149,6 +152,16 @@ class LoadJob:
             if a != b:
                 diff = sorted(a ^ b)
                 raise CheckpointError(f"{where}: param group {i} differs ({len(diff)} parameters, e.g. {diff[0]!r})")
+
+    def _check_loss_scaler(self, optimizer: DistributedOptimizer) -> None:
+        """Decide now whether the saved scaler state applies ([Note: loss scaler on resume])."""
+        saved = self.index.get("loss_scaler")
+        if saved is None:
+            return
+        try:
+            self.scaler_plan = optimizer.plan_loss_scaler_load(saved)
+        except ValueError as e:
+            raise CheckpointError(f"{self.directory}/{ix.INDEX_NAME}: {e}") from None
 
     def _needed_files(self) -> set[str]:
         reader = Reader(self.directory, self.index)
@@ -204,11 +217,8 @@ class LoadJob:
                 flat = reader.read_slot(f"optim/{k}", s, dtype_of(dtype))
                 entry[k] = flat.view(s.shape).to(piece.device)
             state[piece] = entry
-        scaler, scaler_state = getattr(optimizer, "loss_scaler", None), self.index.get("loss_scaler")
-        if scaler is not None and scaler_state is not None and hasattr(scaler, "load_state_dict"):
-            scaler.load_state_dict(scaler_state)
-            if hasattr(scaler, "loss_scale"):
-                self.model.loss_scale = float(scaler.loss_scale)  # what model.backward multiplies by
+        if self.scaler_plan is not None:
+            optimizer.load_loss_scaler_state(self.index["loss_scaler"], self.scaler_plan)
 
     def _load_rng(self, reader: Reader) -> None:
         rank, name = self.model.topology.rank, self.index["rng"]["file"]

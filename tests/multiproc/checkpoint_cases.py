@@ -28,17 +28,17 @@ GLOBAL_BATCH = 4
 # ---- training ------------------------------------------------------------------------------------
 
 
-def _build(sdp: int, seed: int = 0) -> tuple[Any, Any, Any]:
-    smp.init({**SHARD, "sharded_data_parallel_degree": sdp})
+def _build(sdp: int, seed: int = 0, **knobs: Any) -> tuple[Any, Any, Any]:
+    smp.init({**SHARD, "sharded_data_parallel_degree": sdp, **knobs})
     return _make(seed)
 
 
-def _make(seed: int, **mlp: int) -> tuple[Any, Any, Any]:
+def _make(seed: int, scaler: dict[str, Any] | None = None, **mlp: int) -> tuple[Any, Any, Any]:
     torch.manual_seed(seed)
     module = models.UnevenMLP(**mlp)
     module.register_buffer("marker", torch.arange(3.0) + seed)  # a persistent buffer, seed-dependent
     model = smp.DistributedModel(module)
-    opt = smp.DistributedOptimizer(_adamw(_param_groups(model)))
+    opt = smp.DistributedOptimizer(_adamw(_param_groups(model)), **(scaler or {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     return model, opt, sched
 
@@ -54,6 +54,7 @@ def _train(model: Any, opt: Any, sched: Any, steps: range) -> list[float]:
     losses = []
     for step in steps:
         batch = models.mlp_batch(1000 + step, GLOBAL_BATCH)
+        batch["x"] = batch["x"].to(model.policy.compute)  # a no-op in fp32
         loss = model(**{k: v[r * per : (r + 1) * per] for k, v in batch.items()})
         model.backward(loss)
         opt.step()
@@ -164,7 +165,10 @@ def hf_export_case(root: str, name: str, max_shard_size: int | None) -> dict[str
     _train_lm(model, opt, 2)
     stats = smp.comm_stats()
     stats.begin_step()
-    out = _save(root, name, model, opt, partial=False, max_shard_size=max_shard_size, user_content={"m": name})
+    smp.save_checkpoint(
+        root, name, partial=False, model=model, optimizer=opt, user_content={"m": name}, max_shard_size=max_shard_size
+    )
+    out = Path(root) / name
     gathers = [(r.op, r.group, r.bytes) for r in stats.begin_step()]
     unit_bytes = [u.layout.padded_numel * 4 for u in model.units if u.layout.numel]
     model.eval()
@@ -199,7 +203,17 @@ def hf_export_case(root: str, name: str, max_shard_size: int | None) -> dict[str
     again = _full_state(fresh_model)
     result["partial_reload"] = max((again[k] - trained[k]).abs().max().item() for k in trained)
     result["moments"] = _max_moment_diff(_adam_moments(model, opt), _adam_moments(fresh_model, fresh_opt))
+    # the facade passes full_dtype through (last: this export becomes `newest_full`)
+    smp.save_checkpoint(root, f"{name}_bf16", partial=False, model=model, full_dtype=torch.bfloat16)
+    result["bf16_dtypes"] = _export_dtypes(Path(root) / f"{name}_bf16") if smp.rank() == 0 else None
     return result
+
+
+def _export_dtypes(directory: Path) -> list[str]:
+    """The distinct tensor dtypes of a Hugging Face export's safetensors files."""
+    from safetensors.torch import load_file
+
+    return sorted({str(t.dtype) for f in directory.glob("*.safetensors") for t in load_file(f).values()})
 
 
 def _max_moment_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -288,7 +302,7 @@ def errors_case(root_s: str) -> dict[str, Any]:
 def keep_and_newest_case(root: str) -> dict[str, Any]:
     from shardpar.precision import DynamicLossScaler
 
-    model, opt, _sched = _build(sdp=2)
+    model, opt, _sched = _build(sdp=2, fp16=True)  # a dynamic scaler's state resumes only into fp16
     saved_scaler = DynamicLossScaler(init_scale=1024.0, scale_window=5)
     saved_scaler.update(True)  # an overflow: scale 512, cur_iter 1
     opt.loss_scaler = saved_scaler
@@ -365,3 +379,82 @@ def resume_after_crash_case(root: str) -> dict[str, Any]:
     _save(root, "after", model, opt)
     after = sorted(p.name for p in Path(root).iterdir())
     return {"content": content, "state": state, "rng": rng, "listing_before": before, "listing_after": after}
+
+
+# ---- loss scaler across precisions ---------------------------------------------------------------
+
+FP16_SAVED = {"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 2.0**12}}
+FP16_DYNAMIC = {"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 2.0**10, "scale_window": 1000}}
+
+
+def _resume_in(root: str, tag: str, precision: dict[str, Any], scaler: dict[str, Any]) -> dict[str, Any]:
+    """Build a fresh model (another seed) under `precision`, resume `tag`, train one step."""
+    import warnings
+
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, **precision})
+    try:
+        model, opt, sched = _make(123, scaler)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _resume(root, tag, model, opt)
+        out = {
+            "state": _full_state(model),
+            "scale": opt.loss_scaler.loss_scale,
+            "model_scale": model.loss_scale,  # what model.backward multiplies the loss by
+            "scaler": opt.loss_scaler.state_dict(),
+            "warnings": [str(w.message) for w in caught if "loss-scaler" in str(w.message)],
+        }
+        out["losses"] = _train(model, opt, sched, range(2, 3))
+        return out
+    finally:
+        smp.shutdown()
+
+
+def _saved_in(root: str, tag: str, precision: dict[str, Any], scaler: dict[str, Any]) -> dict[str, Any]:
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, **precision})
+    try:
+        model, opt, sched = _make(0, scaler)
+        _train(model, opt, sched, range(2))
+        _save(root, tag, model, opt)
+        return {"state": _full_state(model), "scaler": opt.loss_scaler.state_dict()}
+    finally:
+        smp.shutdown()
+
+
+def _drop_cur_iter(d: Path) -> None:
+    import json
+
+    index = json.loads((d / "index.json").read_text())
+    del index["loss_scaler"]["cur_iter"]
+    (d / "index.json").write_text(json.dumps(index))
+
+
+def scaler_across_precisions_case(root_s: str) -> dict[str, Any]:
+    """Save in fp32 and in fp16 (dynamic), resume each under another precision; a malformed scaler
+    state fails the resume check and loads nothing."""
+    saved = {
+        "fp32": _saved_in(root_s, "fp32", {}, {}),
+        "fp16": _saved_in(root_s, "fp16", {"fp16": True}, FP16_SAVED),
+    }
+    resumed = {
+        "fp32_to_fp16": _resume_in(root_s, "fp32", {"fp16": True}, FP16_DYNAMIC),
+        "fp16_to_bf16": _resume_in(root_s, "fp16", {"bf16": True}, {}),
+        "fp16_to_fp16": _resume_in(root_s, "fp16", {"fp16": True}, FP16_DYNAMIC),
+    }
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2})  # for _damage's barrier
+    _damage(Path(root_s), "fp16", "bad_scaler", _drop_cur_iter)
+    smp.shutdown()
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, "fp16": True})
+    model, opt, _ = _make(123, FP16_DYNAMIC)
+    before, error = _full_state(model), "no error"
+    try:
+        _resume(root_s, "bad_scaler", model, opt)
+    except ckpt.CheckpointError as e:
+        error = str(e)
+    after = _full_state(model)
+    return {
+        "saved": saved,
+        "resumed": resumed,
+        "malformed": error,
+        "malformed_unchanged": max((after[k] - before[k]).abs().max().item() for k in before),
+    }

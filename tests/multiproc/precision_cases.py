@@ -107,6 +107,48 @@ def fp16_overflow_case(steps: int, inject_every: int) -> dict[str, Any]:
     }
 
 
+def fp16_static_overflow_case() -> dict[str, Any]:
+    """fp16 with the defaults that used to skip the check (static scale 1.0, no clipping): an inf on
+    rank 1 only must still skip the step on every rank, through the one sharding-group AllReduce."""
+    smp.init({**SHARD, "fp16": True, "sdp_gradient_clipping": 0.0})
+    model = smp.DistributedModel(models.tiny_neox())
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    rank, world = smp.rank(), smp.size()
+    stats = smp.comm_stats()
+
+    def backward(step: int) -> None:
+        batch = models.lm_batch(step, 2 * world)
+        model.backward(model(**{k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}).loss)
+        stats.begin_step()  # the optimizer step's collectives are recorded on their own
+
+    backward(0)
+    opt.step()  # a clean step first, so there is optimizer state to leave untouched
+    opt.zero_grad()
+    clean_overflow = opt.overflow
+    backward(1)
+    if rank == 1:
+        model.units[1].main_grad[0] = float("inf")
+    before = _snapshot(model, opt)
+    closed = len(stats.history)
+    opt.step()
+    step_collectives = [(r.op, r.group) for records in stats.history[closed:] for r in records]
+    after = _snapshot(model, opt)
+    opt.zero_grad()
+    overflow = opt.overflow
+    backward(2)
+    opt.step()  # the next clean step is taken again
+    return {
+        "clean_overflow": clean_overflow,
+        "overflow": overflow,
+        "untouched": len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+        "num_state_tensors": len(before) - len(model.units) - 1,
+        "step_collectives": step_collectives,
+        "scale": opt.loss_scaler.loss_scale,
+        "recovered": not opt.overflow,
+        "finite": all(bool(torch.isfinite(t).all()) for t in _snapshot(model, opt)),
+    }
+
+
 def delayed_init_case() -> dict[str, Any]:
     """A model built under smp.delay_param_initialization() equals the normal init, shard by shard."""
     smp.init({**SHARD})

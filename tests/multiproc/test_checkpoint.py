@@ -53,6 +53,7 @@ def test_full_export_loads_in_hugging_face(ranks, tmp_path: Path, name: str, max
     assert r0["info"]["missing_keys"] == [] and r0["info"]["unexpected_keys"] == [], r0["info"]
     assert r0["info"]["mismatched_keys"] == [], r0["info"]
     assert "config.json" in r0["files"] and "shardpar_full.json" in r0["files"]
+    assert r0["bf16_dtypes"] == ["torch.bfloat16"], "smp.save_checkpoint(full_dtype=) must reach the export"
     if max_shard_size is None:
         assert "model.safetensors" in r0["files"]
     else:
@@ -111,3 +112,27 @@ def test_sigkill_during_save_keeps_previous_checkpoint(ranks, tmp_path: Path) ->
         assert "after_partial" in r["listing_after"]
     index = json.loads((tmp_path / "good_partial" / "index.json").read_text())
     assert index["topology"]["world"] == 2 and index["optimizer"]["class"] == "AdamW"
+
+
+def test_loss_scaler_state_resumes_only_into_a_matching_fp16_scaler(ranks, tmp_path: Path) -> None:
+    for rank, r in enumerate(ranks.run(2, cases.scaler_across_precisions_case, str(tmp_path))):
+        saved, resumed = r["saved"], r["resumed"]
+        for label, source in [("fp32_to_fp16", "fp32"), ("fp16_to_bf16", "fp16"), ("fp16_to_fp16", "fp16")]:
+            res = resumed[label]
+            assert _max_diff(res["state"], saved[source]["state"]) == 0.0, f"rank {rank} {label}: parameters"
+            assert all(torch.isfinite(torch.tensor(res["losses"]))), f"rank {rank} {label}: {res['losses']}"
+        # fp32 -> fp16 dynamic: nothing to carry over; the configured initial scale, one warning
+        up = resumed["fp32_to_fp16"]
+        assert up["scale"] == up["model_scale"] == 2.0**10 and up["scaler"]["cur_iter"] == 0, up["scaler"]
+        assert len(up["warnings"]) == 1 and "saved in fp32" in up["warnings"][0], up["warnings"]
+        # fp16 -> bf16: bf16 never scales its loss, whatever the fp16 run had reached
+        down = resumed["fp16_to_bf16"]
+        assert saved["fp16"]["scaler"]["loss_scale"] != 1.0
+        assert down["scale"] == down["model_scale"] == 1.0 and down["scaler"]["kind"] == "static"
+        assert len(down["warnings"]) == 1 and "bf16" in down["warnings"][0], down["warnings"]
+        # fp16 -> fp16 with the same kind of scaler: restored exactly, silently
+        same = resumed["fp16_to_fp16"]
+        assert same["scaler"] == {**saved["fp16"]["scaler"]} and same["model_scale"] == same["scale"], same
+        assert same["warnings"] == []
+        assert "index.json" in r["malformed"] and "loss_scaler.cur_iter" in r["malformed"], r["malformed"]
+        assert r["malformed_unchanged"] == 0.0, "a failed resume changed the model"

@@ -42,6 +42,16 @@ def test_fp16_overflow_skips_everywhere_and_scale_recovers(ranks) -> None:
     )
 
 
+def test_fp16_overflow_detected_with_static_scale_one_and_no_clipping(ranks) -> None:
+    """The overflow check must not depend on clipping or a scale != 1: one AllReduce serves both."""
+    for rank, res in enumerate(ranks.run(2, cases.fp16_static_overflow_case)):
+        assert not res["clean_overflow"], f"rank {rank}: a clean step reported an overflow"
+        assert res["overflow"], f"rank {rank}: the inf injected on rank 1 was not detected"
+        assert res["untouched"] and res["num_state_tensors"] > 0, f"rank {rank}: the skipped step changed state"
+        assert res["step_collectives"] == [("all_reduce", "sharding")], res["step_collectives"]
+        assert res["scale"] == 1.0 and res["recovered"] and res["finite"], res
+
+
 @pytest.mark.slow
 def test_fp16_200_steps_with_periodic_overflow_never_nan(ranks) -> None:
     for res in ranks.run(2, cases.fp16_overflow_case, 200, 7):

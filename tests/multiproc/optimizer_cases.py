@@ -1,0 +1,58 @@
+"""Cases for test_optimizer.py, run on every rank of a pool (importable for spawn)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import shardpar as smp
+from tests import models
+from tests.multiproc.parity import ADAM
+
+SHARD = {"sdp_param_persistence_threshold": 10, "sharded_data_parallel_degree": 2}
+
+
+def _everything(model: Any, opt: Any) -> list[torch.Tensor]:
+    """Main shards, main grads and optimizer state: what a refused step must leave alone."""
+    out = [u.main_shard.clone() for u in model.units] + [model.persistent.main.clone()]
+    out += [u.main_grad.clone() for u in model.units if u.main_grad is not None]
+    if model.persistent.main_grad is not None:
+        out.append(model.persistent.main_grad.clone())
+    for state in opt.state.values():
+        out += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def step_mid_window_case() -> dict[str, Any]:
+    """backward_passes_per_step=3: step() after 2 backward passes is refused before anything changes;
+    after the 3rd it steps."""
+    smp.init(SHARD)
+    model = smp.DistributedModel(models.UnevenMLP(), backward_passes_per_step=3)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
+    rank, world = smp.rank(), smp.size()
+    stats = smp.comm_stats()
+
+    def backward(micro: int) -> None:
+        batch = models.mlp_batch(micro, 2 * world)
+        model.backward(model(**{k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}) / 3)
+
+    for micro in range(3):  # one full window first, so there is optimizer state to protect
+        backward(micro)
+    opt.step()
+    opt.zero_grad()
+    for micro in range(2):
+        backward(10 + micro)
+    stats.begin_step()
+    before = _everything(model, opt)
+    try:
+        opt.step()
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    untouched = all(torch.equal(a, b) for a, b in zip(before, _everything(model, opt), strict=True))
+    collectives = len(stats.begin_step())
+    backward(12)
+    opt.step()  # the window is complete now
+    changed = not all(torch.equal(a, b) for a, b in zip(before, _everything(model, opt), strict=False))
+    return {"error": error, "untouched": untouched, "collectives": collectives, "stepped_after": changed}
