@@ -36,6 +36,20 @@ class NativeWork:
         return self._done or bool(self._work.is_completed())
 
 
+class _AllOf:
+    """The works of one batch of point-to-point calls, waited for together."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        for work in self._works:
+            work.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 class NativeEngine:
     """The torch.distributed engine. `timeout_s` bounds every wait: a dead peer becomes an error."""
 
@@ -61,6 +75,25 @@ class NativeEngine:
         return self._run(
             group, lambda: dist.all_gather_single(output, input, group=group.handle, async_op=True), async_op
         )
+
+    def all_gather_mesh(
+        self, output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False
+    ) -> Work:
+        """AllGather as a one-hop mesh (reference 000: SMDDP's inter-node mesh): every rank sends its
+        block straight to each peer and receives theirs, instead of forwarding blocks around a ring
+        (n-1 hops). Same result, bit for bit, as `all_gather`."""
+        check_gather_shapes(output, input, group, "all_gather")
+        me = dist.get_rank()
+        blocks = output.view(group.size, input.numel())
+        blocks[group.rank_of(me)].copy_(input)
+        if group.size == 1:
+            return CompletedWork()
+        ops = []
+        for index, peer in enumerate(group.ranks):
+            if peer != me:
+                ops.append(dist.P2POp(dist.isend, input, peer, group=group.handle))
+                ops.append(dist.P2POp(dist.irecv, blocks[index], peer, group=group.handle))
+        return self._run(group, lambda: _AllOf(dist.batch_isend_irecv(ops)), async_op)
 
     def reduce_scatter(
         self,

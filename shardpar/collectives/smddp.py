@@ -36,7 +36,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,7 +106,6 @@ class SmddpEngine:
         self.fallbacks: Counter[tuple[str, str]] = Counter()
         self.routes: Counter[tuple[str, str]] = Counter()
         self._comms: dict[tuple[int, ...], shm.ShmComm] = {}
-        self._cross_pgs: dict[tuple[int, ...], Any] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smddp")
         self._last: Future[None] | None = None
 
@@ -257,9 +255,11 @@ class SmddpEngine:
             raise AssertionError(f"hierarchical gather over uneven group {group.ranks}")
         node_ranks = next(g for g in split[0] if self.rank in g)
         cross_ranks = next(g for g in split[1] if self.rank in g)
-        cross = Group(f"{group.kind}_cross", cross_ranks, self._cross_pg(cross_ranks))
+        # Point-to-point over the group's own process group: no sub-group to create, and each shard
+        # goes straight to its peers on the other nodes (one hop, reference 000's mesh).
+        cross = Group(f"{group.kind}_cross", cross_ranks, group.handle)
         cross_out = torch.empty(input.numel() * len(cross_ranks), dtype=input.dtype)
-        cross_work = self.native.all_gather(cross_out, input, cross, async_op=True)
+        cross_work = self.native.all_gather_mesh(cross_out, input, cross, async_op=True)
         num_nodes, num_local, shard = len(cross_ranks), len(node_ranks), input.numel()
 
         def node_step() -> None:
@@ -270,14 +270,6 @@ class SmddpEngine:
             output.view(num_nodes, num_local, shard).copy_(staged.view(num_local, num_nodes, shard).transpose(0, 1))
 
         return self._submit(node_step, async_op)
-
-    def _cross_pg(self, ranks: tuple[int, ...]) -> Any:
-        """A process group for one cross-node exchange; only its members take part in creating it."""
-        pg = self._cross_pgs.get(ranks)
-        if pg is None:
-            pg = dist.new_group(list(ranks), use_local_synchronization=True)
-            self._cross_pgs[ranks] = pg
-        return pg
 
 
 def _split_by_node(ranks: tuple[int, ...], rpn: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]] | None:

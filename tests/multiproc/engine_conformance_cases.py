@@ -33,8 +33,10 @@ def _groups(world: int) -> list[Group]:
     return out
 
 
-def _make(name: str) -> Engine:
-    return NativeEngine(timeout_s=60) if name == "native" else make_engine(name, timeout_s=60)
+def _make(name: str, ranks_per_node: int | None = None) -> Engine:
+    if name == "native":
+        return NativeEngine(timeout_s=60)
+    return make_engine(name, timeout_s=60, ranks_per_node=ranks_per_node)
 
 
 def _input(rank: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
@@ -56,7 +58,19 @@ def _cases(group: Group) -> Iterator[tuple[str, torch.dtype, int]]:
 
 def check_engine(name: str) -> list[str]:
     """Every op over every group, size and dtype; returns the problems (empty = conformant)."""
-    engine, rank = _make(name), dist.get_rank()
+    return _check_all(_make(name), name)
+
+
+def check_smddp_across_nodes(ranks_per_node: int) -> tuple[list[str], dict[tuple[str, str], int]]:
+    """The same suite with the world cut into "nodes" of `ranks_per_node`: gathers over groups that
+    span nodes take the hierarchical route (mesh between nodes, shm inside); returns problems, routes."""
+    engine = _make("smddp", ranks_per_node)
+    problems = _check_all(engine, f"smddp rpn {ranks_per_node}")
+    return problems, dict(getattr(engine, "routes", {}))
+
+
+def _check_all(engine: Engine, name: str) -> list[str]:
+    rank = dist.get_rank()
     problems: list[str] = []
     for group in _groups(dist.get_world_size()):
         for label, dtype, numel in _cases(group):
