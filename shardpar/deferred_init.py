@@ -33,6 +33,10 @@ only real tensors it keeps are real *arguments* (e.g. `w.copy_(cpu_tensor)`, or 
 literal registered as a parameter/buffer), by reference, so mutating them later changes the replay.
 `record_stats()` reports what a set of tensors' records hold.
 
+A meta tensor made outside the context (accelerate's `init_empty_weights`) has no record;
+`record_init()` gives it one after the fact by running an init function (an HF model's
+`initialize_weights`) on it under the same recorder.
+
 The table from storage to root is the one piece of process-wide state in this file: it is weak in
 the storage, so a record lives exactly as long as some tensor on its storage (or a record that
 depends on it) does.
@@ -463,6 +467,42 @@ def record_stats(tensors: Iterable[torch.Tensor]) -> RecordStats:
         num_real_tensors=len(consts),
         max_real_numel=max((t.numel() for t in consts.values()), default=0),
     )
+
+
+def record_init(tensors: Iterable[torch.Tensor], init: Callable[[], object], *, seed: int) -> list[torch.Tensor]:
+    """Give meta tensors made outside `deferred_init()` (accelerate's `init_empty_weights()`,
+    `torch.device("meta")`) a record by running `init` on them under the recorder, e.g. an HF model's
+    `initialize_weights`; see [Note: deferred init record].
+
+    Each such tensor's storage gets a creation (an uninitialised tensor of the storage's size) and then
+    logs whatever `init` does to it, so `materialize()` replays exactly that init, one tensor at a time.
+    Randomness comes from a forked CPU RNG seeded with `seed` (every rank that passes the same seed
+    gets the same values; the global RNG is untouched). Returns the tensors `init` wrote to; a tensor
+    it left alone stays unrecorded (`is_deferred()` False), because replaying only its creation would
+    give uninitialised memory. `init` must not write real tensors it should keep: under the recorder
+    ops on real tensors run as usual.
+    """
+    if _recording():
+        raise ValueError("record_init() inside deferred_init(): tensors made there are recorded already")
+    candidates: list[torch.Tensor] = []
+    for t in tensors:
+        storage = t.untyped_storage() if t.is_meta else None
+        root = _ROOTS.get(storage) if storage is not None else None
+        if storage is None or (root is not None and (root.creation is not None or root.log)):
+            continue  # real, deferred already, or written outside a recorder: nothing we could replay
+        if root is None or root.creation is None:
+            numel = storage.nbytes() // t.element_size()
+            creation = _Call(aten.empty.memory_format, ([numel],), {"dtype": t.dtype, "device": _META}, None)
+            _ROOTS[storage] = _Root(creation=creation, out_index=0, geometry=_Geometry((numel,), (1,), 0, t.dtype))
+        candidates.append(t)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), _patched_meta_skipping_inits(), _RecordingMode():
+        torch.manual_seed(seed)
+        init()
+    written = [t for t in candidates if _ROOTS[t.untyped_storage()].log]
+    for t in candidates:
+        if not _ROOTS[t.untyped_storage()].log:
+            _ROOTS.pop(t.untyped_storage(), None)  # back to "not recorded"
+    return written
 
 
 def materialize_by_reset(

@@ -15,6 +15,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+_TERMINATE_GRACE_S = 5.0  # how long a terminated rank gets to exit before it is killed
+
 
 class LaunchError(RuntimeError):
     pass
@@ -80,5 +82,8 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: flo
             p.join(timeout=10 if len(results) == nprocs else 0.5)
             if p.is_alive():
                 p.terminate()
-                p.join()
+                p.join(timeout=_TERMINATE_GRACE_S)
+            if p.is_alive():  # SIGTERM ignored or blocked (a handler, a stuck C call): no waiting forever
+                p.kill()
+                p.join(timeout=_TERMINATE_GRACE_S)
     return [results[r] for r in range(nprocs)]

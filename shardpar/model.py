@@ -237,8 +237,10 @@ class DistributedModel(nn.Module):
         for unit in self.units:
             if unit.num_trainable and not unit.reduced:
                 self.reducer.add(unit)
-        self.reducer.drain()
-        self.persistent.collect_grads()
+        # See [Note: micro-batch averaging].
+        scale = 1.0 / self.microbatches_in_step
+        self.reducer.drain(scale=scale)
+        self.persistent.collect_grads(scale=scale)
         self.num_backward += 1
         if self.is_accumulation_boundary(self.num_backward - 1):
             for unit in self.units:
@@ -303,9 +305,20 @@ class DistributedModel(nn.Module):
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """`loss.backward()`, scaled by the fp16 loss scale and 1/micro-batches of smp.step."""
-        scale = self.loss_scale / self.microbatches_in_step
-        (loss * scale if scale != 1.0 else loss).backward()
+        """`loss.backward()`, scaled by the fp16 loss scale (the optimizer divides it out again).
+
+        [Note: micro-batch averaging]
+        Under `smp.step` with `microbatches=n`, every micro-batch's gradient enters the fp32 main grad
+        multiplied by 1/n (`GradReducer.drain` and `PersistentParams.collect_grads`, as part of the
+        add that accumulates it), so `model.backward(loss)` and a plain `loss.backward()` both give
+        the average over micro-batches -- one backward on the whole batch. Scaling each contribution
+        rather than the whole main grad at the boundary leaves alone what is already there (grads of
+        an earlier step when `zero_grad` is not called between steps, as plain PyTorch allows), and
+        it costs nothing: it is the `alpha` of the add. It happens before `optimizer.step()` computes
+        the clip norm and the fp16 overflow check. `backward_passes_per_step` still sums: the user
+        divides the loss, as with plain PyTorch accumulation.
+        """
+        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
 
     def __getattr__(self, name: str) -> Any:
         try:

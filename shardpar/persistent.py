@@ -59,15 +59,16 @@ class PersistentParams:
         p, off = self.params[i], self.offsets[i]
         return self.main_grad[off : off + p.numel()].view(p.shape)
 
-    def collect_grads(self) -> None:
-        """End of a backward: move the autograd grads into the fp32 main grad (summing micro-steps)."""
+    def collect_grads(self, *, scale: float = 1.0) -> None:
+        """End of a backward: add the autograd grads times `scale` into the fp32 main grad (summing
+        micro-steps; see [Note: micro-batch averaging] in model.py)."""
         if not any(p.grad is not None for p in self.params):
             return
         if self.main_grad is None:
             self.main_grad = torch.zeros_like(self.main)
         for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True)):
             if p.grad is not None:
-                self.main_grad[off : off + p.numel()].add_(p.grad.reshape(-1))
+                self.main_grad[off : off + p.numel()].add_(p.grad.reshape(-1), alpha=scale)
                 p.grad = None
                 self.grad_used[i] = True
 

@@ -60,14 +60,15 @@ class GradReducer:
         self._inflight.append(_Inflight(work, units, out))
         self._pending, self._pending_numel = [], 0
 
-    def drain(self) -> None:
-        """Flush, wait for every bucket, and add the reduced shards into the units' main grads."""
+    def drain(self, *, scale: float = 1.0) -> None:
+        """Flush, wait for every bucket, and add the reduced shards, times `scale`, into the units'
+        main grads (see [Note: micro-batch averaging] in model.py)."""
         self.flush()
         for item in self._inflight:
             item.work.wait()
             col = 0
             for unit in item.units:
                 width = unit.layout.shard_numel
-                unit.accumulate_main_grad(item.out[col : col + width])
+                unit.accumulate_main_grad(item.out[col : col + width], scale=scale)
                 col += width
         self._inflight = []

@@ -1,9 +1,11 @@
 """`@smp.step`: split a batch into micro-batches, run the step function on each, collect outputs.
 
 Tensors (also inside dicts, lists and tuples) are split along dim 0 into `microbatches` equal
-pieces; everything else is passed unchanged. While the step runs, `model.backward(loss)` scales the
-loss by 1/microbatches and the accumulation boundary falls after the last micro-batch, so the
-gradients are the average over micro-batches -- the same as one backward on the whole batch.
+pieces; everything else is passed unchanged. While the step runs, each micro-batch's gradient is
+added into the main grads times 1/microbatches (whether the step calls `model.backward(loss)` or a
+plain `loss.backward()`; see [Note: micro-batch averaging] in model.py) and the accumulation
+boundary falls after the last micro-batch, so the gradients are the average over micro-batches --
+the same as one backward on the whole batch.
 """
 
 from __future__ import annotations

@@ -219,12 +219,14 @@ class Unit:
                 self.grad_used[i] = True
         return block.view(n, width)
 
-    def accumulate_main_grad(self, reduced: torch.Tensor) -> None:
-        """Add one micro-step's reduced shard gradient (fp32 accumulation)."""
+    def accumulate_main_grad(self, reduced: torch.Tensor, *, scale: float = 1.0) -> None:
+        """Add one micro-step's reduced shard gradient times `scale` (fp32 accumulation)."""
         if self.main_grad is None:
             self.main_grad = reduced.float() if reduced.dtype != torch.float32 else reduced.clone()
+            if scale != 1.0:
+                self.main_grad.mul_(scale)
         else:
-            self.main_grad.add_(reduced)
+            self.main_grad.add_(reduced, alpha=scale)
 
     def finish_accumulation(self) -> None:
         """At the accumulation boundary: average the main grad over the replication group."""

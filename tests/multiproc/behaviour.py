@@ -124,27 +124,37 @@ class Registered(nn.Module):
         return nn.functional.cross_entropy(self.layer2(h, self.layer1.weight), y)
 
 
-def register_parameter_case() -> float:
-    smp.init({"sharded_data_parallel_degree": smp_world(), "sdp_param_persistence_threshold": 4})
+REGISTER_CLIP = 0.05  # below every step's gradient norm, so clipping engages on both sides
+
+
+def register_parameter_case() -> dict[str, Any]:
+    smp.init(
+        {
+            "sharded_data_parallel_degree": smp_world(),
+            "sdp_param_persistence_threshold": 4,
+            "sdp_gradient_clipping": REGISTER_CLIP,
+        }
+    )
     model = smp.DistributedModel(Registered(), wrap=[Layer1, Layer2])
     ref = Registered()
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
-    diff = 0.0
+    ref_norms, our_norms = [], []
     for _ in range(3):
         x, y = torch.randn(4 * smp.size(), 6, generator=g), torch.randint(0, 3, (4 * smp.size(),), generator=g)
         r = smp.rank()
         model.backward(model(x[4 * r : 4 * r + 4], y[4 * r : 4 * r + 4]))
         opt.step()
+        our_norms.append(float(opt.last_grad_norm))
         opt.zero_grad()
-        nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ref(x, y).backward()
+        ref_norms.append(float(nn.utils.clip_grad_norm_(ref.parameters(), REGISTER_CLIP)))  # pre-clip norm
         ref_opt.step()
         ref_opt.zero_grad()
     ours, theirs = model.state_dict(), ref.state_dict()
     diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
-    return diff
+    return {"param": diff, "ref_norms": ref_norms, "our_norms": our_norms, "clip": REGISTER_CLIP}
 
 
 def smp_world() -> int:
@@ -153,8 +163,17 @@ def smp_world() -> int:
     return dist.get_world_size()
 
 
-def step_microbatches_case(microbatches: int) -> dict[str, Any]:
-    """@smp.step over microbatches vs a single-process step on the whole batch."""
+def _per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Causal-LM loss per sample (the HF loss is their mean when every sample has the same length)."""
+    shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
+    tokens = nn.functional.cross_entropy(shift_logits.transpose(1, 2), shift_labels, reduction="none")
+    return tokens.mean(dim=1)
+
+
+def step_microbatches_case(microbatches: int, *, plain_backward: bool = False) -> dict[str, Any]:
+    """@smp.step over microbatches vs a single-process step on the whole batch; `plain_backward` runs
+    `loss.backward()` instead of `model.backward(loss)` and returns per-sample losses (so the
+    StepOutput reductions concat and reduce_sum have something to check)."""
     smp.init({**SHARD, "sharded_data_parallel_degree": 2, "microbatches": microbatches, "sdp_gradient_clipping": 0.0})
     model = smp.DistributedModel(models.tiny_neox())
     # SGD: linear in the gradient, so the check is about micro-batch averaging, not Adam's
@@ -165,25 +184,83 @@ def step_microbatches_case(microbatches: int) -> dict[str, Any]:
 
     @smp.step
     def train_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if plain_backward:
+            per_sample = _per_sample_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+            per_sample.mean().backward()
+            return per_sample
         loss = model(**batch).loss
         model.backward(loss)
         return loss
 
     rank, world = smp.rank(), smp.size()
-    losses = []
+    losses, reductions = [], []
     for step in range(2):
         batch = models.lm_batch(step, 4 * world)
         out = train_step(model, {k: v[4 * rank : 4 * rank + 4] for k, v in batch.items()})
         opt.step()
         opt.zero_grad()
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
+        ref_out = ref(**batch)
+        ref_out.loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        mean = sum(smp.allgather(out.reduce_mean().item())) / world
-        losses.append((mean, ref_loss.item(), len(out), tuple(out.stack().shape)))
+        mean = sum(smp.allgather(out.reduce_mean().mean().item())) / world
+        losses.append((mean, ref_out.loss.item(), len(out), tuple(out.stack().shape)))
+        if plain_backward:
+            ref_per_sample = _per_sample_loss(ref_out.logits, batch["labels"]).detach()
+            mine = ref_per_sample[4 * rank : 4 * rank + 4]
+            reductions.append(
+                {
+                    "concat": (out.concat() - mine).abs().max().item(),
+                    "reduce_sum": (out.reduce_sum() - mine.view(microbatches, -1).sum(0)).abs().max().item(),
+                }
+            )
     ours, theirs = model.state_dict(), ref.state_dict()
-    return {"losses": losses, "param": max((ours[k] - theirs[k]).abs().max().item() for k in theirs)}
+    return {
+        "losses": losses,
+        "reductions": reductions,
+        "param": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+    }
+
+
+def _zero_grads_kept(model: Any) -> bool:
+    """Every trainable unit and the persistent set hold a main grad, and it is all zeros."""
+    grads = [u.main_grad for u in model.units if u.num_trainable] + [model.persistent.main_grad]
+    return all(g is not None and not g.any() for g in grads)
+
+
+def zero_grad_keep_case() -> dict[str, Any]:
+    """`zero_grad(set_to_none=False)` leaves zero grads that the next accumulation window adds into,
+    and -- as in torch -- a parameter that then gets no gradient is still stepped (momentum, weight
+    decay) with its zero grad; parity with a reference that zeroes the same way."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(models.BranchyMLP(), backward_passes_per_step=2)
+    torch.manual_seed(0)
+    ref = models.BranchyMLP()
+    sgd = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), **sgd))
+    ref_opt = torch.optim.SGD(ref.parameters(), **sgd)
+    rank, world = smp.rank(), smp.size()
+    kept, block1 = [], []
+    for step, mode in enumerate([0, 1, 0]):  # mode 1 skips blocks.1: no gradient for it that step
+        before = ref.blocks[1].up.weight.detach().clone()
+        for micro in range(2):
+            batch = models.mlp_batch(10 * step + micro, 4 * world)
+            local = {k: v[4 * rank : 4 * rank + 4] for k, v in batch.items()}
+            model.backward(model(**local, mode=mode) / 2)
+            (ref(**batch, mode=mode) / 2).backward()
+        opt.step()
+        ref_opt.step()
+        block1.append(not torch.equal(before, ref.blocks[1].up.weight))
+        opt.zero_grad(set_to_none=False)
+        ref_opt.zero_grad(set_to_none=False)
+        kept.append(_zero_grads_kept(model) and all(p.grad is not None and not p.grad.any() for p in ref.parameters()))
+    ours, theirs = model.state_dict(), ref.state_dict()
+    return {
+        "kept": kept,
+        "block1_stepped": block1,
+        "param": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+    }
 
 
 def checkpointing_and_eval_case(use_reentrant: bool) -> dict[str, Any]:

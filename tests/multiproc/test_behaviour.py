@@ -37,17 +37,33 @@ def test_model_state_memory_is_divided_by_sdp(ranks, sdp: int) -> None:
 
 
 def test_register_parameter_reference_example(ranks) -> None:
-    for diff in ranks.run(2, behaviour.register_parameter_case):
-        assert diff <= 1e-6
+    for r in ranks.run(2, behaviour.register_parameter_case):
+        assert min(r["ref_norms"]) > r["clip"], f"clipping never engaged: norms {r['ref_norms']}"
+        assert r["our_norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
+        assert r["param"] <= 1e-5, r
 
 
+@pytest.mark.parametrize("plain_backward", [False, True], ids=["model.backward", "loss.backward"])
 @pytest.mark.parametrize("microbatches", [1, 2])
-def test_smp_step_microbatches(ranks, microbatches: int) -> None:
-    res = ranks.run(2, behaviour.step_microbatches_case, microbatches)[0]
+def test_smp_step_microbatches(ranks, microbatches: int, plain_backward: bool) -> None:
+    """Both backward spellings average the micro-batch gradients (the issue: "model.backward(loss);
+    plain loss.backward() also works"); StepOutput reduces the per-micro-batch outputs."""
+    res = ranks.run(2, behaviour.step_microbatches_case, microbatches, plain_backward=plain_backward)[0]
     for mean, ref, n, stacked in res["losses"]:
         assert abs(mean - ref) <= 1e-5
         assert n == microbatches and stacked[0] == microbatches
     assert res["param"] <= 1e-5
+    assert len(res["reductions"]) == (2 if plain_backward else 0)
+    for r in res["reductions"]:
+        assert r["concat"] <= 1e-5 and r["reduce_sum"] <= 1e-5, r
+
+
+def test_zero_grad_set_to_none_false_keeps_zero_grads_that_accumulate(ranks) -> None:
+    for r in ranks.run(2, behaviour.zero_grad_keep_case):
+        assert r["kept"] == [True, True, True], r
+        # the reference steps blocks.1 with its kept zero grad (momentum, weight decay) in step 1 too
+        assert r["block1_stepped"] == [True, True, True], r
+        assert r["param"] <= 1e-5, r
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

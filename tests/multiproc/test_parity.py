@@ -42,8 +42,6 @@ CASES: dict[int, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {
 
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_parity_with_single_process(ranks, world: int) -> None:
-    if world == 8:
-        pytest.importorskip("transformers")
     cases = CASES[world]
     per_rank = ranks.run(world, run_many, cases, timeout=600)
     for (name, knobs, kw), result in zip(cases, per_rank[0], strict=True):

@@ -17,6 +17,7 @@ from shardpar.deferred_init import (
     is_deferred,
     materialize,
     materialize_by_reset,
+    record_init,
     record_stats,
 )
 from tests.models import UnevenMLP, tiny_gpt2_tied, tiny_neox
@@ -228,6 +229,35 @@ def test_materialize_by_reset_matches_the_modules_own_init() -> None:
     assert model.get_parameter("blocks.1.up.weight").is_meta, "the model's own Parameter must stay on meta"
     with pytest.raises(ValueError, match="no reset_parameters"):
         materialize_by_reset(model, "temperature")
+
+
+def test_record_init_replays_an_init_run_on_existing_meta_tensors() -> None:
+    """record_init: meta tensors made outside deferred_init() (init_empty_weights) get a record from
+    an init function run on them; each is then materialised alone, seeded alike, global RNG untouched."""
+    with torch.device("meta"):
+        emb, untouched = nn.Embedding(11, 6, padding_idx=3), nn.Linear(3, 2)
+    real = torch.ones(4)
+    rng_before = torch.get_rng_state()
+
+    def init() -> None:
+        nn.init.normal_(emb.weight, std=0.02)
+        emb.weight[3].zero_()  # a view of the recorded storage
+        nn.init.trunc_normal_(untouched.bias, std=0.5, a=-1.0, b=1.0)  # skips meta in torch: recorded whole
+        real.mul_(2)  # real tensors are not ours: the op runs as usual
+
+    written = record_init([emb.weight, untouched.weight, untouched.bias, real], init, seed=5)
+    assert [id(t) for t in written] == [id(emb.weight), id(untouched.bias)]
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert is_deferred(emb.weight) and is_deferred(untouched.bias) and not is_deferred(untouched.weight)
+    assert torch.equal(real, torch.full((4,), 2.0))
+    torch.manual_seed(5)
+    ref_weight = nn.init.normal_(torch.empty(11, 6), std=0.02)
+    ref_weight[3].zero_()
+    ref_bias = nn.init.trunc_normal_(torch.empty(2), std=0.5, a=-1.0, b=1.0)
+    _assert_identical(materialize(emb.weight), ref_weight, "weight")
+    _assert_identical(materialize(untouched.bias), ref_bias, "bias")
+    with pytest.raises(ValueError, match="materialize_by_reset"):
+        materialize(untouched.weight)  # the init never wrote it: no record, not uninitialised memory
 
 
 @pytest.mark.gpu

@@ -1,0 +1,50 @@
+"""launch_local stops the whole launch when a rank fails, even if another rank ignores SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shardpar.launcher import LaunchError, launch_local
+
+
+def _fail_while_a_peer_ignores_sigterm(ready: str) -> None:
+    """Rank 1 ignores SIGTERM and sleeps; rank 0 fails once rank 1 is known to ignore it."""
+    if int(os.environ["RANK"]) == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        Path(ready).write_text(str(os.getpid()))
+        time.sleep(600)
+        return
+    deadline = time.monotonic() + 120
+    while not Path(ready).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise RuntimeError("rank 0 fails on purpose")
+
+
+def test_a_rank_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
+    ready = tmp_path / "rank1.pid"
+    outcome: list[BaseException] = []
+
+    def launch() -> None:
+        try:
+            launch_local(_fail_while_a_peer_ignores_sigterm, 2, str(ready), timeout_s=300)
+        except BaseException as e:  # handed to the test thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=launch, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    if thread.is_alive():  # the launcher is stuck waiting on rank 1: clean up, then fail
+        if ready.exists():
+            os.kill(int(ready.read_text()), signal.SIGKILL)
+        thread.join(timeout=30)
+        pytest.fail("launch_local waited forever on a rank that ignores SIGTERM")
+    assert len(outcome) == 1 and isinstance(outcome[0], LaunchError), outcome
+    assert "rank 0 fails on purpose" in str(outcome[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(ready.read_text()), 0)  # rank 1 is gone
