@@ -15,10 +15,11 @@ NCCL (CUDA), which it registers inside itself:
 # [Note: python process group]
 # torch 2.13 accepts a Python subclass of `ProcessGroup` from a backend creator and uses it in place of
 # the group it would have built; C++ callers (DDP's reducer, FSDP2's collectives) reach the Python
-# overrides through pybind's trampoline, and `super().<op>(...)` dispatches to the backend registered
-# for the tensor's device. Subclassing the C++ `Backend` from Python is not possible ("No constructor
-# defined!"), and functional collectives / `_coalescing_manager` bypass Python overrides and go to the
-# registered gloo/NCCL backend (still correct, just not through shm).
+# overrides through pybind's trampoline. What shm does not serve goes to the gloo/NCCL backend object
+# registered for the tensor's device (see [Note: delegate to the backend]). Subclassing the C++
+# `Backend` from Python is not possible ("No constructor defined!"), and functional collectives /
+# `_coalescing_manager` bypass Python overrides and go to the registered gloo/NCCL backend (still
+# correct, just not through shm).
 #
 # Shm calls run on one worker thread per group, in issue order, and return a `Work` built from a
 # torch Future: the caller overlaps them with compute exactly as with NCCL. Every wait inside the
@@ -138,6 +139,11 @@ class SmddpProcessGroup(dist.ProcessGroup):
                 return "fallback:op"
         return "shm"
 
+    def _backend(self, tensors: Any) -> Any:
+        """The gloo / NCCL backend registered for the device of the first tensor in `tensors`."""
+        first = _first_tensor(tensors)
+        return self._get_backend(first.device if first is not None else torch.device("cpu"))
+
     def _run(self, fn: Callable[[shm.ShmComm], None], result: Any) -> Any:
         """Queue `fn` on the worker; the returned Work completes (or fails) with it."""
         future: torch.futures.Future[Any] = torch.futures.Future()
@@ -161,28 +167,75 @@ class SmddpProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else AllreduceOptions()
         op = _shm_op(opts.reduceOp)
         if len(tensors) != 1 or self._route("allreduce", *tensors, reduce_op=op) != "shm":
-            return super().allreduce(tensors, opts)
+            return self._backend(tensors).allreduce(tensors, opts)
         return self._run(lambda comm: comm.all_reduce(tensors[0], _checked(op)), tensors)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts if opts is not None else AllgatherOptions()
         if self._route("all_gather_single", output, input) != "shm":
-            return super().all_gather_single(output, input, opts)
+            return self._backend(output)._allgather_base(output, input, opts)
         return self._run(lambda comm: comm.all_gather(output, input), [output])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts if opts is not None else ReduceScatterOptions()
         op = _shm_op(opts.reduceOp)
         if self._route("reduce_scatter_single", output, input, reduce_op=op) != "shm":
-            return super().reduce_scatter_single(output, input, opts)
+            return self._backend(output)._reduce_scatter_base(output, input, opts)
         return self._run(lambda comm: comm.reduce_scatter(output, input, _checked(op)), [output])
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         opts = opts if opts is not None else BroadcastOptions()
         if len(tensors) != 1 or self._route("broadcast", *tensors) != "shm":
-            return super().broadcast(tensors, opts)
+            return self._backend(tensors).broadcast(tensors, opts)
         root = opts.rootRank
         return self._run(lambda comm: comm.broadcast(tensors[0], root), tensors)
+
+
+# [Note: delegate to the backend]
+# Collectives the transport does not serve are handed to the registered gloo/NCCL backend object
+# directly. Going through the C++ `ProcessGroup` method instead (`super().allreduce(...)`, or not
+# overriding the method at all) dead-locked gloo intermittently with 4 ranks in torch 2.13 (an fp64
+# all_reduce loop hung within a few iterations, while the same calls on the backend object ran 200
+# iterations clean), so every collective of the ProcessGroup API is overridden here.
+_DELEGATED = {
+    "allreduce_coalesced": "allreduce_coalesced",
+    "allgather": "allgather",
+    "allgather_coalesced": "allgather_coalesced",
+    "all_to_all_single": "alltoall_base",
+    "alltoall": "alltoall",
+    "barrier": "barrier",
+    "gather": "gather",
+    "monitored_barrier": "monitored_barrier",
+    "recv": "recv",
+    "recv_anysource": "recv_anysource",
+    "reduce": "reduce",
+    "reduce_scatter": "reduce_scatter",
+    "scatter": "scatter",
+    "send": "send",
+}
+
+
+def _delegate(backend_method: str) -> Callable[..., Any]:
+    def method(self: SmddpProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._backend(args), backend_method)(*args, **kwargs)
+
+    method.__name__ = backend_method
+    return method
+
+
+for _name, _backend_method in _DELEGATED.items():
+    setattr(SmddpProcessGroup, _name, _delegate(_backend_method))
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, list | tuple):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
 
 
 def _shm_op(reduce_op: Any) -> str:
