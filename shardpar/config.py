@@ -56,7 +56,9 @@ class Config:
     sdp_reduce_dtype: str = _knob("fp32", "dtype of gradient reductions: fp32 | bf16 | fp16 (= the compute dtype)")
     ddp_dist_backend: str = _knob("auto", "collective engine: auto | nccl (native torch.distributed) | smddp")
     prescaled_batch: bool = _knob(False, "the TP group reads one combined batch")
-    delayed_parameter_initialization: bool = _knob(False, "each rank materialises only its shards")
+    delayed_parameter_initialization: bool = _knob(
+        False, "the wrapped model must still be on meta (smp.delay_param_initialization()): ranks build only shards"
+    )
     microbatches: int = _knob(1, "smp.step splits the batch into this many micro-batches", minimum=1)
     # shardpar's own knobs (not in the reference).
     ranks_per_node: int | None = _knob(None, "ranks per host; None = LOCAL_WORLD_SIZE", minimum=1)

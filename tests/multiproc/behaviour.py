@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import shardpar as smp
-from tests import models
+from tests import memory, models
 from tests.multiproc.parity import ADAM
 
 SHARD = {"sdp_param_persistence_threshold": 10}
@@ -37,22 +37,9 @@ def schedule_case() -> dict[str, Any]:
     return {"micro": micro_records, "step": step_records, "unit_bytes": unit_bytes, "persistent": persistent}
 
 
-def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen and s.nbytes():
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-    return total
-
-
 def _model_state_tensors(model: Any, opt: Any) -> list[torch.Tensor | None]:
-    """Every tensor the model and optimizer keep: original params (data and grad), buffers, unit
-    shards, main grads and gathered buffers, optimizer params, grads and state."""
+    """Every tensor the model and optimizer are meant to keep: original params (data and grad),
+    buffers, unit shards, main grads and gathered buffers, optimizer params, grads and state."""
     out: list[torch.Tensor | None] = []
     for p in model.module.parameters():
         out += [p.data, p.grad]
@@ -68,8 +55,35 @@ def _model_state_tensors(model: Any, opt: Any) -> list[torch.Tensor | None]:
     return out
 
 
-def memory_case(sdp: int) -> dict[str, float]:
-    """Model-state bytes alive per rank after a training step, measured from the live tensors."""
+def _allowed_extras(model: Any, opt: Any) -> dict[str, int]:
+    """What a rank keeps besides model state, by name: the module's buffers (replicated, never sharded:
+    GPT-NeoX's rotary inv_freq and original_inv_freq) and the optimizer's last pre-clip grad norm (a
+    scalar kept for the user). The engine keeps no tensor between steps (its shared memory is not a
+    tensor), so it has no entry; anything else alive counts against the bound."""
+    extras = {f"buffer {n}": memory.storages_of([b]) for n, b in model.module.named_buffers()}
+    extras["opt.last_grad_norm"] = memory.storages_of([opt.last_grad_norm])
+    return {name: memory.total_bytes(s) for name, s in extras.items()}
+
+
+def _live_report(live: dict[int, memory.Storage], model: Any, opt: Any) -> dict[str, Any]:
+    """Bytes of every storage alive since the snapshot, and the unlisted ones by size (for messages)."""
+    listed = memory.storages_of(_model_state_tensors(model, opt))
+    extras = memory.storages_of([*model.module.buffers(), opt.last_grad_norm])
+    unlisted = {ptr: s for ptr, s in live.items() if ptr not in listed and ptr not in extras}
+    return {
+        "bytes": float(memory.total_bytes(live)),
+        "unlisted": memory.largest(unlisted),
+        "listed_unseen": [s.example for ptr, s in listed.items() if ptr not in live],
+    }
+
+
+def memory_case(sdp: int) -> dict[str, Any]:
+    """Model-state bytes alive per rank after training steps, two ways: the hand-listed tensors the
+    model and optimizer keep (`alive`), and every tensor storage alive in the process that was not
+    alive before `smp.init` (`live_step` after the second optimizer step, `live_zero` after its
+    zero_grad): a reducer bucket, a gathered buffer or a hook's tensor that outlives its step shows up
+    there. No reference model is built here: it would be live too."""
+    snapshot = memory.LiveTensors()  # whatever earlier cases on this pool left alive is not ours
     smp.init({**SHARD, "sharded_data_parallel_degree": sdp})
     module = models.tiny_neox()
     numel = sum(p.numel() for p in module.parameters())
@@ -77,18 +91,32 @@ def memory_case(sdp: int) -> dict[str, float]:
     model = smp.DistributedModel(module)
     persistent = model.persistent.main.numel()
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
-    loss = model(**models.lm_batch(0, 2)).loss
-    model.backward(loss)
-    opt.step()
+    batch = models.lm_batch(0, 2)
+    for step in range(2):  # a leak that grows per step shows twice
+        model.backward(model(**batch).loss)
+        opt.step()
+        if step == 0:
+            opt.zero_grad()
     alive = _storage_bytes(_model_state_tensors(model, opt))
+    live_step = _live_report(snapshot.since(exclude=batch.values()), model, opt)
+    opt.zero_grad()
+    live_zero = _live_report(snapshot.since(exclude=batch.values()), model, opt)
     # full single-process model state: params + grads + Adam exp_avg + exp_avg_sq, fp32
     total = numel * 4 * 4
     return {
         "alive": float(alive),
+        "live_step": live_step,
+        "live_zero": live_zero,
+        "extras": _allowed_extras(model, opt),
         "total": float(total),
         "persistent": float(persistent * 4 * 4),
         "buffers": float(buffers),
     }
+
+
+def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    return memory.total_bytes(memory.storages_of(tensors))
 
 
 class Layer1(nn.Module):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import shardpar as smp
-from tests import models
+from tests import memory, models
 
 SHARD = {"sdp_param_persistence_threshold": 10, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0}
 
@@ -101,3 +101,78 @@ def meta_buffer_case() -> dict[str, Any]:
         "alive": alive,
         "default_inv_freq_ok": torch.equal(fine.module.gpt_neox.rotary_emb.inv_freq, inv_freq),
     }
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def construction_peak_case(how: str) -> dict[str, Any]:
+    """Peak bytes of the storages created while `smp.DistributedModel` shards a model that holds no
+    parameter memory yet: built under smp.delay_param_initialization() ("deferred"), or on the meta
+    device by accelerate's init_empty_weights ("meta", which gets HF's own init, replayed per tensor).
+    The issue: "no rank ever holds more than its shards plus one full parameter"."""
+    smp.init(SHARD)
+    if how == "deferred":
+        with smp.delay_param_initialization():
+            module = models.tiny_neox(seed=3)
+    else:
+        module = _empty_weights(models.tiny_neox)
+    params = list(module.parameters())
+    if not all(p.is_meta for p in params):
+        raise AssertionError(f"{how}: the model holds real parameters before wrapping")
+    largest, full_model = max(_nbytes([p]) for p in params), _nbytes(params)
+    real_buffers_before = {id(b) for b in module.buffers() if not b.is_meta}
+    with memory.LiveBytes() as building:
+        model = smp.DistributedModel(module)
+    kept = [u.main_shard for u in model.units] + [model.persistent.main, model.persistent.compute]
+    kept += [u._compute_shard for u in model.units if u._compute_shard is not None]
+    # Buffers are replicated, not sharded: a deferred one is materialised whole and kept (8 B here:
+    # the rotary inv_freq and original_inv_freq); real ones existed before and are not counted.
+    made_buffers = [b for b in module.buffers() if id(b) not in real_buffers_before]
+    return {
+        "peak": building.peak,
+        "live_after": building.live,
+        "shards": memory.total_bytes(memory.storages_of(kept)),
+        "largest_param": largest,
+        "full_model": full_model,
+        "made_buffers": _nbytes(made_buffers),
+    }
+
+
+def _wrap_error(build: Any) -> str:
+    try:
+        smp.DistributedModel(build())
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def delayed_knob_case() -> dict[str, Any]:
+    """delayed_parameter_initialization=True: a model built normally is a ValueError on every rank (the
+    group stays usable); one built under smp.delay_param_initialization() or init_empty_weights is
+    wrapped; so is a tensor-parallel one, whose TP layers the conversion materialised (tp 2)."""
+
+    def deferred() -> torch.nn.Module:
+        with smp.delay_param_initialization():
+            return models.tiny_neox()
+
+    smp.init({**SHARD, "delayed_parameter_initialization": True})
+    out = {
+        "real": _wrap_error(models.tiny_neox),
+        "alive": smp.allgather(smp.rank()) == list(range(smp.size())),
+        "deferred": _wrap_error(deferred),
+        "meta": _wrap_error(lambda: _empty_weights(models.tiny_neox)),
+    }
+    smp.shutdown()
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True, "delayed_parameter_initialization": True})
+
+    def deferred_tp() -> torch.nn.Module:
+        with smp.tensor_parallelism():
+            return deferred()
+
+    out["tp"] = _wrap_error(deferred_tp)
+    smp.shutdown()
+    smp.init({**SHARD, "delayed_parameter_initialization": False})
+    out["knob_off"] = _wrap_error(models.tiny_neox)
+    return out

@@ -9,40 +9,53 @@ import torch
 
 import shardpar as smp
 from tests import models
+from tests.multiproc.tp_cases import tiny_llama
 
 SHARD = {"sdp_param_persistence_threshold": 10, "sharded_data_parallel_degree": 2}
+# GPT-NeoX (rotary on a quarter of each head), Llama (full rotary, grouped-query attention, RMSNorm)
+BUILDERS = {"neox": models.tiny_neox, "llama": tiny_llama}
 
 
-def _train_curve(knobs: dict[str, Any], steps: int) -> dict[str, Any]:
+def _bytes_by(records: list[Any]) -> dict[str, int]:
+    """Bytes per "op/group" of one step's communication records."""
+    out: dict[str, int] = {}
+    for r in records:
+        out[f"{r.op}/{r.group}"] = out.get(f"{r.op}/{r.group}", 0) + r.bytes
+    return out
+
+
+def _train_curve(knobs: dict[str, Any], steps: int, *, model_name: str = "neox") -> dict[str, Any]:
     smp.init({**SHARD, **knobs})
     try:
-        model = smp.DistributedModel(models.tiny_neox())
+        model = smp.DistributedModel(BUILDERS[model_name]())
         opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
         rank, world = smp.rank(), smp.size()
         batches = [models.lm_batch(i, 2 * world) for i in range(4)]  # a small set, seen repeatedly
-        curve, ag_bytes = [], 0
+        curve: list[float] = []
+        step_bytes: dict[str, int] = {}
         for step in range(steps):
             smp.comm_stats().begin_step()
             batch = batches[step % 4]
             loss = model(**{k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}).loss
             model.backward(loss)
-            opt.step()
+            opt.step()  # closes the step's communication records (forward, backward, step)
             opt.zero_grad()
-            records = smp.comm_stats().begin_step()
             if step == 0:
-                ag_bytes = sum(r.bytes for r in records if r.op == "all_gather")
+                step_bytes = _bytes_by(smp.comm_stats().history[-1])
             curve.append(sum(smp.allgather(loss.item())) / world)
         dtypes = sorted({str(p.dtype) for p in model.module.parameters()})
-        return {"curve": curve, "ag_bytes": ag_bytes, "param_dtypes": dtypes}
+        ag_bytes = sum(b for k, b in step_bytes.items() if k.startswith("all_gather/"))
+        return {"curve": curve, "ag_bytes": ag_bytes, "bytes": step_bytes, "param_dtypes": dtypes}
     finally:
         smp.shutdown()
 
 
-def bf16_vs_fp32_case(steps: int) -> dict[str, Any]:
+def bf16_vs_fp32_case(steps: int, model_name: str = "neox") -> dict[str, Any]:
+    """The same training run in fp32, bf16 (fp32 reductions) and bf16 with bf16 reductions."""
     return {
-        "fp32": _train_curve({}, steps),
-        "bf16": _train_curve({"bf16": True}, steps),
-        "bf16_reduce_bf16": _train_curve({"bf16": True, "sdp_reduce_dtype": "bf16"}, steps),
+        "fp32": _train_curve({}, steps, model_name=model_name),
+        "bf16": _train_curve({"bf16": True}, steps, model_name=model_name),
+        "bf16_reduce_bf16": _train_curve({"bf16": True, "sdp_reduce_dtype": "bf16"}, steps, model_name=model_name),
     }
 
 

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from shardpar.deferred_init import (
     deferred_init,
@@ -20,6 +16,7 @@ from shardpar.deferred_init import (
     record_init,
     record_stats,
 )
+from tests.memory import LiveBytes
 from tests.models import UnevenMLP, tiny_gpt2_tied, tiny_neox
 
 RNG_STATE_BYTES = torch.get_rng_state().numel()
@@ -139,40 +136,13 @@ def test_tied_embeddings_stay_one_parameter_and_materialise_equal() -> None:
     _assert_identical(head_value, reference.get_parameter(head), head)
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Peak bytes of real storages that ops create while active (storages are freed by refcount)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-    def _free(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {id(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.is_meta:
-                continue
-            storage = t.untyped_storage()
-            if id(storage) in inputs or storage in self._seen:
-                continue
-            self._seen[storage] = True
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, storage.nbytes())
-        return out
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
 @pytest.mark.parametrize("name", ["tiny_neox", "tiny_gpt2_tied"])
 def test_memory_one_full_parameter_at_a_time(name: str) -> None:
-    with _LiveBytes() as building, deferred_init():
+    with LiveBytes() as building, deferred_init():
         model = BUILDERS[name]()
     tensors = _tensors(model)
     largest = max(_nbytes(t) for t in tensors.values())
@@ -185,7 +155,7 @@ def test_memory_one_full_parameter_at_a_time(name: str) -> None:
     assert stats.num_rng_states > 0 and stats.rng_state_bytes == stats.num_rng_states * RNG_STATE_BYTES
 
     for key, tensor in tensors.items():
-        with _LiveBytes() as replay:
+        with LiveBytes() as replay:
             value = materialize(tensor)
         assert replay.peak >= _nbytes(tensor), f"{key}: the tracker saw no allocation"
         assert replay.peak <= max(_nbytes(tensor), largest), f"{key}: peak {replay.peak} B"

@@ -1,0 +1,97 @@
+"""units.py's choice of units (`wrap=`) and parameter owners, and the persistence threshold's boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import shardpar as smp
+from shardpar.units import choose_unit_modules, plan_units
+from tests.models import UnevenMLP
+
+# Random module trees: Linear leaves, Sequential inner nodes.
+trees = st.recursive(
+    st.builds(lambda: nn.Linear(2, 2)),
+    lambda kids: st.lists(kids, min_size=1, max_size=3).map(lambda ms: nn.Sequential(*ms)),
+    max_leaves=10,
+)
+
+
+def _ancestors(name: str) -> list[str]:
+    """Proper, non-root ancestors of a module FQN: "a.b.c" -> ["a", "a.b"]."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))] if name else []
+
+
+@given(trees, st.data())
+def test_wrap_predicate_picks_the_outermost_matching_modules(root: nn.Module, data: st.DataObject) -> None:
+    names = [n for n, _ in root.named_modules()]
+    picked = data.draw(st.sets(st.sampled_from(names)))  # may include the root, which is never a unit
+    modules = dict(root.named_modules())
+    ids = {id(modules[n]) for n in picked}
+
+    def predicate(m: nn.Module) -> bool:
+        return id(m) in ids
+
+    expected = [n for n in names if n and n in picked and not any(a in picked for a in _ancestors(n))]
+    chosen = choose_unit_modules(root, predicate)
+    assert [n for n, _ in chosen] == expected
+    assert all(m is modules[n] for n, m in chosen)
+    # every parameter is owned by exactly one unit: the innermost chosen module around it, else the root
+    units = plan_units(root, predicate)
+    assert [u.name for u in units] == ["", *expected]
+    owners = {fqn: u.name for u in units for fqn, _ in u.params}
+    assert sorted(owners) == sorted(n for n, _ in root.named_parameters())
+    for fqn, owner in owners.items():
+        around = [a for a in _ancestors(fqn) if a in expected]
+        assert owner == (around[-1] if around else ""), fqn
+    assert not any(u.borrowed for u in units)
+
+
+def test_wrap_classes_equal_the_isinstance_predicate_and_reject_non_modules() -> None:
+    model = UnevenMLP()
+    by_class = choose_unit_modules(model, [nn.Linear])
+    by_predicate = choose_unit_modules(model, lambda m: isinstance(m, nn.Linear))
+    assert [n for n, _ in by_class] == [n for n, _ in by_predicate]
+    assert [n for n, _ in by_class][:3] == ["inp", "blocks.0.up", "blocks.0.down"]
+    # default: the children of the outermost repeated ModuleList
+    assert [n for n, _ in choose_unit_modules(model, None)] == ["blocks.0", "blocks.1", "blocks.2"]
+    with pytest.raises(TypeError, match="wrap must be module classes or a predicate"):
+        choose_unit_modules(model, [nn.Linear, "Block"])  # type: ignore[list-item]
+
+
+def test_a_tied_parameter_is_owned_once_and_borrowed_by_the_other_unit() -> None:
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    units = plan_units(model, [nn.Embedding, nn.Linear])
+    assert [(u.name, [n for n, _ in u.params], len(u.borrowed)) for u in units] == [
+        ("", [], 0),
+        ("0", ["0.weight"], 0),
+        ("1", [], 1),
+    ]
+    assert units[2].borrowed[0] is model[0].weight
+
+
+def _shape(numel: int) -> tuple[int, ...]:
+    """2-D where numel allows, so that the rule is seen to compare element counts, not a dim."""
+    return (2, numel // 2) if numel > 2 and numel % 2 == 0 else (numel,)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 40))
+def test_a_parameter_with_exactly_threshold_elements_is_sharded(threshold: int) -> None:
+    """numel >= sdp_param_persistence_threshold: sharded (in a unit); numel < threshold: persistent
+    (DESIGN.md glossary). Through smp.DistributedModel in a world of one, in this process."""
+    smp.init({"sdp_param_persistence_threshold": threshold, "ddp_dist_backend": "nccl"})
+    try:
+        module = nn.Module()
+        for name, numel in {"below": threshold - 1, "at": threshold, "above": threshold + 1}.items():
+            module.register_parameter(name, nn.Parameter(torch.ones(_shape(numel))))
+        model = smp.DistributedModel(module)
+        assert [n for n, _ in model.persistent.named] == ["below"]
+        assert [s.fqn for u in model.units for s in u.layout.specs] == ["at", "above"]
+    finally:
+        smp.shutdown()
