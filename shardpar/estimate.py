@@ -11,11 +11,13 @@ P = persistent elements (numel < sdp_param_persistence_threshold, whole on every
                    + the prefetched next one while under sdp_max_live_parameters
     unit grads     c x (root + largest unit): autograd grads before they are reduce-scattered
     reduce bucket  r x min(all, sdp_reduce_bucket_size + largest unit)
-    activations    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-                   Models", eq. 2: per layer s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations; with
-                   tensor parallelism (no sequence parallelism) s*b*h*(10 + 24/t + 5*a*s/(h*t)).
-                   Flash/SDPA attention stores no s x s scores: the 5as/h term drops.
-                   Checkpointing keeps each layer's input (2sbh) plus one layer being recomputed;
+    activations    the tensors autograd saves per layer (see `_activations`), after Korthikanti et
+                   al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2,
+                   without dropout: c*s*b*h*(4 + 12/t) bytes, plus with eager attention the s x s
+                   scores a*s*s*b/t x (4 fp32 softmax + c compute copy when mixed). Flash/SDPA
+                   attention stores no scores. Checked against the bytes a tiny GPT-NeoX really
+                   saves for backward (tests/unit/test_estimate.py).
+                   Checkpointing keeps each layer's input (c*sbh) plus one layer being recomputed;
                    offloading moves the kept inputs to host memory (two stay in flight).
                    Logits: b*s*V/t elements x (c logits + c grad + 4 fp32 loss working set).
     framework      fixed: CUDA context, NCCL/SMDDP buffers, allocator slack (GPU); interpreter,
@@ -23,7 +25,8 @@ P = persistent elements (numel < sdp_param_persistence_threshold, whole on every
 
 Peak = model states + framework + gathered + unit grads + kept activations + the larger working set:
 the logits at the end of forward, or one layer's recompute plus the reduce bucket in backward. Model states are
-exact for a given layout; the activation terms are the paper's estimates, not measurements.
+exact for a given layout; the activation terms count a GPT-NeoX-style layer (4h GeLU MLP) and are
+estimates for other layers.
 """
 
 from __future__ import annotations
@@ -299,13 +302,29 @@ def _peak_live(root: int, layers: list[int], cap: int) -> int:
 
 
 def _activations(shape: ModelShape, setup: Setup, c: int) -> tuple[int, int, int]:
-    """(bytes kept across the whole pass, one layer's working set, logits working set)."""
+    """(bytes kept across the whole pass, one layer's working set, logits working set).
+
+    What one layer saves for backward, in bytes (Korthikanti et al. eq. 2 with tp = t and no sequence
+    parallelism; c = bytes per activation; counts in s*b*h elements):
+
+        replicated over TP   4 c sbh      layer-norm inputs 2, QKV-projection input 1, MLP input 1
+        split over TP        12 c sbh / t Q and K 2, V 1, output-projection input 1,
+                                          GeLU input (the 4h up-projection) 4, GeLU output 4
+        eager attention      a s s b / t  x (4 + c if c < 4 else 4): the fp32 softmax output
+                                          (Hugging Face upcasts it) and its compute-dtype copy
+
+    The paper's 34 sbh (c = 2) also counts two 1-byte dropout masks, and its 5as/h a 2-byte softmax
+    plus attention dropout (mask and output): the models trained here use no dropout, and Hugging
+    Face keeps 4 + c bytes per score (6 in bf16; 4 in fp32, where the paper scaled to 4 bytes gives 10).
+    Measured (tests/unit/test_estimate.py): GPT-NeoX's two layer norms share one input (parallel
+    residual) while SDPA also keeps its output, so the count holds within a few percent.
+    """
     s, b, h, t = setup.seq, setup.batch, shape.hidden, setup.tp
     a, layers = max(1, shape.num_heads), shape.num_layers
     sbh = s * b * h
-    scores = 0.0 if setup.flash_attention else 5 * a * s / (h * t)
-    scale = c / 2  # the paper's coefficients count 2-byte activations
-    per_layer = int(sbh * (10 + 24 / t + scores) * scale)
+    score_bytes = 4 + (c if c < 4 else 0)
+    scores = 0.0 if setup.flash_attention else a * s * s * b / t * score_bytes
+    per_layer = int(sbh * c * (4 + 12 / t) + scores)
     logits = int(s * b * math.ceil(shape.vocab / t) * (2 * c + 4))
     if not setup.activation_checkpointing:
         return layers * per_layer, 0, logits

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 from shardpar import checkpoint as _checkpoint
 from shardpar.api import _REGISTERED, _TP_MARKS, state
+from shardpar.checkpoint import atomic as _atomic
 from shardpar.deferred_init import deferred_init
 from shardpar.model import DistributedModel as _DistributedModel
 from shardpar.optimizer import DistributedOptimizer as _DistributedOptimizer
@@ -145,17 +147,30 @@ def save_checkpoint(
 ) -> None:
     """SMP v1 semantics: `partial=True` writes each shard once (replica 0), resumable under another
     topology; `partial=False` writes a Hugging Face directory, split into files of at most
-    `max_shard_size` bytes and cast to `full_dtype` (default fp32) when given. Atomic: `newest`
+    `max_shard_size` bytes and cast to `full_dtype` (default fp32) when given. Without `optimizer`
+    the last smp.DistributedOptimizer is saved when it was built over `model`. Atomic: `newest`
     moves last."""
     st = state()
     model = model or st.model
     if model is None:
         raise ValueError("smp.save_checkpoint needs a model: call smp.DistributedModel(model) first")
+    if partial:
+        for name, value in (("max_shard_size", max_shard_size), ("full_dtype", full_dtype)):
+            if value is not None:
+                raise ValueError(
+                    f"smp.save_checkpoint({name}={value}) applies to the Hugging Face export only: "
+                    f"pass partial=False with it, or drop {name} (a partial checkpoint keeps one fp32 file per rank)"
+                )
+    if optimizer is not None and optimizer.model is not model:
+        raise ValueError(
+            "smp.save_checkpoint: the optimizer was built over another DistributedModel than `model`; "
+            "pass the optimizer of this model (or none)"
+        )
     _checkpoint.save_checkpoint(
         path,
         tag,
         model=model,
-        optimizer=optimizer or st.optimizer,
+        optimizer=optimizer or _optimizer_of(model),
         topology=st.topology,
         engine=st.engine,
         partial=partial,
@@ -167,6 +182,12 @@ def save_checkpoint(
     )
 
 
+def _optimizer_of(model: _DistributedModel) -> _DistributedOptimizer | None:
+    """The last smp.DistributedOptimizer when it steps `model`'s shards; else None (never another model's)."""
+    opt = state().optimizer
+    return opt if opt is not None and opt.model is model else None
+
+
 def resume_from_checkpoint(
     path: str | os.PathLike[str],
     tag: str | None = None,
@@ -175,15 +196,18 @@ def resume_from_checkpoint(
     load_optimizer: bool = True,
 ) -> Any:
     """Load the checkpoint `tag` (None: the newest) into the model and optimizer built before this
-    call, resharding when the topology changed; returns the saved user_content."""
+    call, resharding when the topology changed; returns the saved user_content. A re-save that
+    crashed between its two renames is undone first ([Note: re-saving a tag] in checkpoint/atomic.py)."""
     st = state()
     if st.model is None:
         raise ValueError("smp.resume_from_checkpoint needs the DistributedModel (and optimizer) built first")
+    coord = _atomic.Coordinator(st.topology, st.engine)
+    coord.on_root("resume_from_checkpoint: recovering", lambda: _atomic.recover(Path(path)))
     return _checkpoint.resume_from_checkpoint(
         path,
         tag,
         model=st.model,
-        optimizer=st.optimizer,
+        optimizer=_optimizer_of(st.model),
         topology=st.topology,
         engine=st.engine,
         partial=partial,

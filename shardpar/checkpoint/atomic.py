@@ -9,6 +9,28 @@ the next save removes; the previous checkpoint and the pointer are untouched. Ev
 "locally, then agree": a rank that fails reports its error instead of leaving the collective, so
 the others raise the same error instead of waiting; a rank that dies makes the collective fail
 within the process group's timeout (collective_timeout_s).
+
+[Note: re-saving a tag]
+rename(2) cannot replace a non-empty directory, so publishing over an existing tag takes two renames:
+the old directory to `.old-<name>-<id>`, then the temporary one to `<name>`. A crash between them
+leaves no `<name>` and the only copy of the previous checkpoint under `.old-*`. Two rules make that
+state harmless:
+
+    .old-<name>-<id>    always a complete checkpoint (only publish_dir creates it, by a rename)
+    .trash-<name>-<id>  being deleted, possibly half gone: never read, never restored
+
+and `recover(root)` (rank 0, first thing in every save and in smp.resume_from_checkpoint) renames an
+`.old-<name>-*` back to `<name>` when `<name>` is missing, and deletes it when `<name>` exists (the
+new save was published). The crash states of a re-save and what recovery makes of them:
+
+    before rename 1       old at <name>, new at .tmp-*        -> old kept, .tmp-* removed
+    between the renames   old at .old-*, new at .tmp-*        -> old restored to <name>
+    after rename 2        new at <name>, old at .old-*        -> new kept (complete), .old-* removed
+    while deleting old    new at <name>, old at .trash-*      -> .trash-* removed
+
+Simpler than the alternatives: an atomic exchange (renameat2 RENAME_EXCHANGE) is Linux-only and
+fails on some filesystems, and unique directory names behind per-tag pointers would change the
+layout users (and Hugging Face's from_pretrained) read.
 """
 
 from __future__ import annotations
@@ -31,6 +53,7 @@ from shardpar.topology import Topology
 T = TypeVar("T")
 TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
+_OLD_PREFIX = ".old-"
 
 
 @dataclass(frozen=True)
@@ -128,6 +151,7 @@ def make_tmp_dir(root: Path, tag: str) -> tuple[str, str]:
     job's save in progress would look like a crashed one.
     """
     root.mkdir(parents=True, exist_ok=True)
+    recover(root)
     for stale in root.iterdir():
         if stale.name.startswith((TMP_PREFIX, _TRASH_PREFIX)):
             if stale.is_dir():
@@ -168,18 +192,46 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def publish_dir(tmp: Path, final: Path) -> None:
-    """Rename the finished temporary directory to its final name (replacing an older save of the tag)."""
+    """Rename the finished temporary directory to its final name (replacing an older save of the tag).
+
+    See [Note: re-saving a tag] for a crash between the two renames of a re-save.
+    """
     fsync_dir(tmp)
     if final.exists():
-        # rename(2) cannot replace a non-empty directory: move the old one aside first. Until the
-        # second rename the tag is absent (not half-written); the next save clears the trash.
-        trash = final.with_name(f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
-        os.rename(final, trash)
+        old = final.with_name(f"{_OLD_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
         os.rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
+        fsync_dir(final.parent)  # the new directory is durable before the old one goes
+        remove_dir(old)
     else:
         os.rename(tmp, final)
     fsync_dir(final.parent)
+
+
+def recover(root: Path) -> list[str]:
+    """Rank 0 (or one offline process): undo a re-save that crashed between its two renames.
+
+    Restores each `.old-<name>-*` whose `<name>` is missing, deletes the others; returns the
+    restored names. See [Note: re-saving a tag].
+    """
+    if not root.is_dir():
+        return []
+    restored = []
+    for old in sorted(root.iterdir()):
+        if not old.name.startswith(_OLD_PREFIX):
+            continue
+        name = old.name.removeprefix(_OLD_PREFIX).rpartition("-")[0]  # drop the "-<id>" suffix
+        if not name:
+            continue
+        final = root / name
+        if final.exists():
+            remove_dir(old)
+        else:
+            os.rename(old, final)
+            restored.append(name)
+    if restored:
+        fsync_dir(root)
+    return restored
 
 
 def remove_dir(path: Path) -> None:

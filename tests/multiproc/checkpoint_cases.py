@@ -369,9 +369,27 @@ def crash_during_save_case(root: str) -> None:
     _save(root, "bad", model, opt, user_content={"tag": "bad"})
 
 
-def resume_after_crash_case(root: str) -> dict[str, Any]:
+def crash_between_renames_case(root: str) -> None:
+    """Rank 0 dies (SIGKILL) while re-saving tag 'good': after moving the old directory aside, before
+    renaming the new one into place ([Note: re-saving a tag] in shardpar/checkpoint/atomic.py)."""
+    from shardpar.checkpoint import atomic
+
+    model, opt, sched = _build(sdp=2)
+    _train(model, opt, sched, range(3))
+    real = atomic.os.rename
+
+    def rename_then_die(src: Any, dst: Any) -> None:
+        real(src, dst)
+        if Path(src).name == "good_partial":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    atomic.os.rename = rename_then_die  # type: ignore[assignment]  # this process dies in it
+    _save(root, "good", model, opt, user_content={"tag": "good, re-saved"})
+
+
+def resume_after_crash_case(root: str, facade: bool = False) -> dict[str, Any]:
     model, opt, _sched = _build(sdp=2, seed=7)
-    content = _resume(root, None, model, opt)
+    content = smp.resume_from_checkpoint(root) if facade else _resume(root, None, model, opt)
     rng = torch.rand(3)
     state = _full_state(model)
     state.update({f"moment:{k}": v for k, v in _adam_moments(model, opt).items()})

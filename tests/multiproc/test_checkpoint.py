@@ -101,7 +101,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(ranks, tmp_path: Path) ->
     root = str(tmp_path)
     crash_env = {"SHARDPAR_TEST_POOL": "crash"}  # a pool of its own: the shared world-2 pool survives
     good = ranks.run(2, cases.crash_good_case, root, env=crash_env)
-    with pytest.raises(RankFailure, match="died"):
+    with pytest.raises(RankFailure, match=r"rank 1 died with exit code -9\b"):  # SIGKILL, not another death
         ranks.run(2, cases.crash_during_save_case, root, env=crash_env, timeout=60)
     assert (tmp_path / "newest").read_text() == "good" and not (tmp_path / "bad_partial").exists()
     for rank, r in enumerate(ranks.run(2, cases.resume_after_crash_case, root)):
@@ -112,6 +112,24 @@ def test_sigkill_during_save_keeps_previous_checkpoint(ranks, tmp_path: Path) ->
         assert "after_partial" in r["listing_after"]
     index = json.loads((tmp_path / "good_partial" / "index.json").read_text())
     assert index["topology"]["world"] == 2 and index["optimizer"]["class"] == "AdamW"
+
+
+def test_sigkill_between_the_renames_of_a_resave_keeps_previous_checkpoint(ranks, tmp_path: Path) -> None:
+    """Re-saving a tag renames the old directory aside, then the new one into place; rank 0 dies between."""
+    root = str(tmp_path)
+    crash_env = {"SHARDPAR_TEST_POOL": "crash"}
+    good = ranks.run(2, cases.crash_good_case, root, env=crash_env)
+    with pytest.raises(RankFailure, match=r"rank 0 died with exit code -9\b"):
+        ranks.run(2, cases.crash_between_renames_case, root, env=crash_env, timeout=60)
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    assert "good_partial" not in listing, f"the crash must hit the window between the renames: {listing}"
+    # smp.resume_from_checkpoint puts the previous directory back, then loads it
+    for rank, r in enumerate(ranks.run(2, cases.resume_after_crash_case, root, True)):
+        assert r["content"] == {"tag": "good"}
+        assert _max_diff(r["state"], good[rank]["state"]) == 0.0, "the previous checkpoint must resume exactly"
+        assert torch.equal(r["rng"], good[rank]["rng"]), "RNG state restored (same world)"
+        assert "good_partial" in r["listing_before"], r["listing_before"]
+        assert not any(n.startswith((".old-", ".tmp-")) for n in r["listing_after"]), r["listing_after"]
 
 
 def test_loss_scaler_state_resumes_only_into_a_matching_fp16_scaler(ranks, tmp_path: Path) -> None:

@@ -1,12 +1,18 @@
-"""`shardpar estimate`: reference 003's configurations, the activation formula, the model-state
-arithmetic and the command line. (Agreement with measured memory: tests/multiproc/test_recipe.py.)"""
+"""`shardpar estimate`: reference 003's configurations, the activation formula and its agreement with
+the tensors a tiny GPT-NeoX saves for backward, the model-state arithmetic and the command line.
+(Model states against live tensors of a run: tests/multiproc/test_recipe.py.)"""
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 from shardpar import estimate as est
 from shardpar.cli import main
@@ -60,26 +66,101 @@ def test_65b_rows_need_tensor_parallelism_and_fit_with_offloading(neox65b: est.M
     assert not est.estimate(neox65b, row.setup(tp=4, activation_offloading=False)).fits
 
 
-def test_activations_follow_korthikanti_eq2() -> None:
-    """No checkpointing, eager attention, tp 1, 2-byte activations: L * sbh(34 + 5as/h) + logits."""
+def test_activation_formula_counts_each_saved_tensor() -> None:
+    """No checkpointing, eager attention, tp 1, bf16: L x (16 c sbh + (4 + c) a s s b) + logits."""
     shape = est.shape_from_num_params(1e9, hidden=2048, num_layers=16, num_heads=16, vocab=1000)
     setup = est.Setup(batch=2, seq=512, precision="bf16", flash_attention=False, device="cpu")
-    s, b, h, a = 512, 2, 2048, 16
-    per_layer = s * b * h * (34 + 5 * a * s / h)
+    s, b, h, a, c = 512, 2, 2048, 16, 2
+    per_layer = s * b * h * c * 16 + a * s * s * b * (4 + c)
     logits = s * b * 1000 * (2 + 2 + 4)
     parts = est.estimate(shape, setup).parts
-    assert parts["activations kept for backward"] == int(per_layer) * 16
+    assert parts["activations kept for backward"] == per_layer * 16
     bucket = 4 * min(sum(shape.unit_numels), int(5e8) + max(shape.unit_numels))
     assert parts["working set: max(logits, layer + bucket)"] == max(logits, bucket)
-    # tensor parallelism without sequence parallelism: sbh(10 + 24/t + 5as/(ht))
+    # fp32: the softmax is kept once (no compute-dtype copy)
+    fp32 = est.estimate(shape, replace(setup, precision="fp32")).parts["activations kept for backward"]
+    assert fp32 == (s * b * h * 4 * 16 + a * s * s * b * 4) * 16
+    # tensor parallelism without sequence parallelism: c sbh (4 + 12/t) + scores / t
     tp2 = est.estimate(shape, replace(setup, tp=2)).parts["activations kept for backward"]
-    assert tp2 == int(s * b * h * (10 + 12 + 5 * a * s / (h * 2))) * 16
-    # checkpointing keeps each layer's input (2sbh bytes) and recomputes one layer at a time
+    assert tp2 == (s * b * h * c * (4 + 6) + a * s * s * b * (4 + c) // 2) * 16
+    # checkpointing keeps each layer's input (c sbh bytes) and recomputes one layer at a time
     ckpt = est.estimate(shape, replace(setup, activation_checkpointing=True)).parts
-    assert ckpt["activations kept for backward"] == 16 * s * b * h * 2
-    assert ckpt["working set: max(logits, layer + bucket)"] == max(logits, int(per_layer) + bucket)
+    assert ckpt["activations kept for backward"] == 16 * s * b * h * c
+    assert ckpt["working set: max(logits, layer + bucket)"] == max(logits, per_layer + bucket)
     offload = est.estimate(shape, replace(setup, activation_checkpointing=True, activation_offloading=True)).parts
-    assert offload["activations kept for backward"] == 2 * s * b * h * 2  # two layer inputs in flight
+    assert offload["activations kept for backward"] == 2 * s * b * h * c  # two layer inputs in flight
+
+
+# ---- activations measured: what autograd really saves in one forward of the tiny GPT-NeoX --------
+
+
+class _Marked(nn.Module):
+    """Wraps one transformer layer; `inside[0]` is True while it (or its checkpoint wrapper) runs."""
+
+    def __init__(self, layer: nn.Module, inside: list[bool]) -> None:
+        super().__init__()
+        self.layer, self.inside = layer, inside
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.inside[0] = True
+        try:
+            return self.layer(*args, **kwargs)
+        finally:
+            self.inside[0] = False
+
+
+def _saved_by_layers(config: Any, *, batch: int, seq: int, dtype: torch.dtype, checkpointing: bool) -> int:
+    """Bytes of the distinct storages autograd saves for backward inside the transformer layers
+    during one training forward (parameters excluded: they are model state, not activations)."""
+    from recipes.causal_lm import models as recipe_models
+
+    torch.manual_seed(0)
+    module = recipe_models.build(config).to(dtype).train()
+    if checkpointing:  # as recipes/causal_lm/train.py enables it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inside = [False]
+    layers = module.gpt_neox.layers
+    for i, layer in enumerate(layers):
+        layers[i] = _Marked(layer, inside)
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()  # views of one storage (q, k, v of one projection) count once
+        if inside[0] and storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(input_ids=ids, labels=ids)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activation_estimate_matches_saved_tensors_of_tiny_neox(
+    precision: str, attention: str, checkpointing: bool
+) -> None:
+    """The recipe's tiny GPT-NeoX (configs/tiny_neox.toml: batch 4, seq 128) in one process."""
+    from recipes.causal_lm import models as recipe_models
+
+    batch, seq = 4, 128
+    config = recipe_models.hf_config("gpt_neox", "tiny", vocab_size=256, seq=seq)
+    config._attn_implementation = attention
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    measured = _saved_by_layers(config, batch=batch, seq=seq, dtype=dtype, checkpointing=checkpointing)
+    setup = est.Setup(
+        batch=batch, seq=seq, precision=precision, activation_checkpointing=checkpointing,
+        flash_attention=attention == "sdpa", device="cpu",
+    )  # fmt: skip
+    estimated = est.estimate(est.shape_from_hf_config(config), setup).parts["activations kept for backward"]
+    assert abs(estimated - measured) <= 0.10 * measured, (
+        f"estimate {estimated:,} B vs {measured:,} B saved ({estimated / measured - 1:+.1%})"
+    )
 
 
 def test_model_states_are_18_bytes_per_sharded_parameter_in_bf16() -> None:
@@ -117,3 +198,27 @@ def test_cli_recommends_and_checks_the_reference(capsys: pytest.CaptureFixture[s
     assert out.count("-> fits") == 4 and "tp 8 + offload" in out
     assert main(["estimate", "--params", "65e9", "--nodes", "1", "--batch", "8"]) == 1
     assert "nothing fits" in capsys.readouterr().out
+
+
+def test_cli_reads_a_hugging_face_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    config = GPTNeoXConfig(
+        hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, intermediate_size=4096, vocab_size=32000,
+        max_position_embeddings=2048, tie_word_embeddings=False,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    argv = ["estimate", "--hf-config", str(tmp_path / "config.json"), "--device", "cpu", "--sdp", "1"]
+    assert main([*argv, "--batch", "4", "--seq", "2048", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert f"config: {num_params:,} parameters, 6 layers, hidden 1024" in out, out
+    # activations: 6 layers x 16 x 4 bytes x s b h; model states: 16 bytes per parameter (fp32 AdamW)
+    lines = out.splitlines()
+    activations = 6 * 16 * 4 * 2048 * 4 * 1024
+    assert f"  {'activations kept for backward':42s} {activations / est.GiB:9.2f} GiB" in lines, out
+    assert f"  {'model states: fp32 main parameters':42s} {4 * num_params / est.GiB:9.2f} GiB" in lines, out
+    # a directory holding config.json works too, and recommends a degree on a device with a capacity
+    assert main(["estimate", "--hf-config", str(tmp_path), "--device", "a100-40gb", "--gpus", "8"]) == 0
+    assert "smallest sharded_data_parallel_degree that fits: 1" in capsys.readouterr().out

@@ -1,0 +1,166 @@
+"""Crash windows of checkpoint publishing ([Note: re-saving a tag] in shardpar/checkpoint/atomic.py).
+
+The crash is simulated in this process: os.rename raises a BaseException at the chosen call, so
+nothing after it runs, as if the process had died there. (tests/multiproc/test_checkpoint.py
+SIGKILLs real ranks at the same point.)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardpar as smp
+from shardpar.checkpoint import atomic
+from shardpar.model import DistributedModel
+from shardpar.optimizer import DistributedOptimizer
+from tests import models
+
+
+class _Crash(BaseException):
+    """Stands for the process dying: not an Exception, so no cleanup handler catches it."""
+
+
+def _crash_on_rename(monkeypatch: pytest.MonkeyPatch, *, call: int, only_dirs: bool = True) -> None:
+    """Make the `call`-th os.rename of a directory (1-based) raise _Crash instead of renaming."""
+    real, count = os.rename, [0]
+
+    def rename(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        if not only_dirs or Path(src).is_dir():
+            count[0] += 1
+            if count[0] == call:
+                raise _Crash(f"crashed before renaming {src} -> {dst}")
+        real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "rename", rename)
+
+
+def _checkpoint_dir(root: Path, tag: str, content: str) -> Path:
+    d = root / f"{tag}_partial"
+    d.mkdir(parents=True)
+    (d / "index.json").write_text(content)
+    return d
+
+
+def _resave(root: Path, tag: str, content: str) -> None:
+    tmp, _ = atomic.make_tmp_dir(root, tag)
+    (Path(tmp) / "index.json").write_text(content)
+    atomic.publish_dir(Path(tmp), root / f"{tag}_partial")
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_crash_between_the_renames_of_a_resave_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _checkpoint_dir(tmp_path, "t", "old")
+    _crash_on_rename(monkeypatch, call=2)  # rename 1 (old aside) happens, rename 2 (tmp -> t_partial) not
+    with pytest.raises(_Crash):
+        _resave(tmp_path, "t", "new")
+    monkeypatch.undo()
+    assert not (tmp_path / "t_partial").exists()  # the window: no directory under the tag's name
+    # the next save (of any tag) clears the crashed .tmp-* but restores the previous checkpoint
+    atomic.make_tmp_dir(tmp_path, "other")
+    assert (tmp_path / "t_partial" / "index.json").read_text() == "old"
+    assert [n for n in _listing(tmp_path) if not n.startswith(".tmp-other-")] == ["t_partial"]
+
+
+def test_crash_after_the_second_rename_keeps_the_new_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _checkpoint_dir(tmp_path, "t", "old")
+    _crash_on_rename(monkeypatch, call=3)  # both renames done; moving the old copy to the trash is not
+    with pytest.raises(_Crash):
+        _resave(tmp_path, "t", "new")
+    monkeypatch.undo()
+    assert any(n.startswith(".old-t_partial-") for n in _listing(tmp_path)), _listing(tmp_path)
+    assert atomic.recover(tmp_path) == []  # nothing to restore: the published save wins
+    assert (tmp_path / "t_partial" / "index.json").read_text() == "new"
+    assert _listing(tmp_path) == ["t_partial"]
+
+
+def test_a_half_deleted_directory_is_never_restored(tmp_path: Path) -> None:
+    """remove_dir's trash may be half gone: recovery must not bring it back under the tag's name."""
+    trash = tmp_path / ".trash-t_partial-0123abcd"
+    trash.mkdir()
+    (trash / "shard-00001.safetensors").write_bytes(b"half")
+    assert atomic.recover(tmp_path) == []
+    atomic.make_tmp_dir(tmp_path, "next")
+    assert [n for n in _listing(tmp_path) if not n.startswith(".tmp-next-")] == []
+
+
+def test_tag_names_with_dashes_are_restored_whole(tmp_path: Path) -> None:
+    old = tmp_path / ".old-run-3-step-10_partial-89abcdef"
+    old.mkdir()
+    assert atomic.recover(tmp_path) == ["run-3-step-10_partial"]
+    assert _listing(tmp_path) == ["run-3-step-10_partial"]
+
+
+# ---- the facade, world 1: save, crash while re-saving the same tag, resume ----------------------
+
+
+@pytest.fixture
+def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    smp.init({"sdp_param_persistence_threshold": 10})
+    try:
+        yield
+    finally:
+        smp.shutdown()
+
+
+def _build(seed: int) -> tuple[DistributedModel, DistributedOptimizer]:
+    torch.manual_seed(seed)
+    model = smp.DistributedModel(models.UnevenMLP())
+    return model, smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def _train(model: DistributedModel, opt: DistributedOptimizer, steps: range) -> None:
+    for step in steps:
+        loss = model(**models.mlp_batch(step, 4))
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def _state(model: DistributedModel, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    pieces = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    moments = [v.clone() for p in pieces for k, v in sorted(opt.optimizer.state[p].items()) if k != "step"]
+    return {**state, **{f"moment{i}": m for i, m in enumerate(moments)}}
+
+
+def _crash_resave(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save: Callable[[], None]) -> None:
+    _crash_on_rename(monkeypatch, call=2)
+    with pytest.raises(_Crash):
+        save()
+    monkeypatch.undo()
+    assert not (tmp_path / "good_partial").exists(), "the crash must hit the window between the renames"
+
+
+@pytest.mark.parametrize("tag", ["good", None])
+def test_resume_after_a_crash_between_the_renames_gets_the_previous_checkpoint(
+    world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tag: str | None
+) -> None:
+    model, opt = _build(seed=0)
+    _train(model, opt, range(2))
+    smp.save_checkpoint(tmp_path, "good", model=model, optimizer=opt, user_content={"tag": "good"})
+    saved = _state(model, opt)
+    _train(model, opt, range(2, 4))
+    _crash_resave(tmp_path, monkeypatch, lambda: smp.save_checkpoint(tmp_path, "good", model=model, optimizer=opt))
+
+    fresh, fresh_opt = _build(seed=7)
+    assert smp.resume_from_checkpoint(tmp_path, tag) == {"tag": "good"}
+    resumed = _state(fresh, fresh_opt)
+    assert resumed.keys() == saved.keys()
+    for k in saved:
+        assert torch.equal(resumed[k], saved[k]), f"{k} differs from the previous checkpoint"
+    assert (tmp_path / "newest").read_text() == "good"
+    assert not any(n.startswith(".old-") for n in _listing(tmp_path)), _listing(tmp_path)
