@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +15,6 @@ from torch import nn
 
 from shardpar import checkpoint as _checkpoint
 from shardpar.api import _REGISTERED, _TP_MARKS, state
-from shardpar.checkpoint import atomic as _atomic
 from shardpar.deferred_init import deferred_init
 from shardpar.model import DistributedModel as _DistributedModel
 from shardpar.optimizer import DistributedOptimizer as _DistributedOptimizer
@@ -201,8 +199,6 @@ def resume_from_checkpoint(
     st = state()
     if st.model is None:
         raise ValueError("smp.resume_from_checkpoint needs the DistributedModel (and optimizer) built first")
-    coord = _atomic.Coordinator(st.topology, st.engine)
-    coord.on_root("resume_from_checkpoint: recovering", lambda: _atomic.recover(Path(path)))
     return _checkpoint.resume_from_checkpoint(
         path,
         tag,

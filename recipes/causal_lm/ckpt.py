@@ -24,8 +24,8 @@ def save(path: Path, tag: str, *, model: Any, optimizer: Any, user_content: Any,
 
 def resume(path: Path, tag: str) -> Any:
     """Load `tag` ("newest": the newest) into the model and optimizer smp built; its user_content."""
-    if tag != "newest" and not (path / f"{tag}_partial").is_dir():
-        raise ValueError(f"--resume {tag}: no checkpoint {path / (tag + '_partial')}")
+    # A missing tag is the facade's CheckpointError (naming the directory), after it restored a
+    # re-save that crashed between its renames.
     if tag == "newest" and not (path / "newest").is_file():
         raise ValueError(f"--resume: no checkpoint under {path} yet (expected {path / 'newest'})")
     return smp.resume_from_checkpoint(path, None if tag == "newest" else tag, partial=True)

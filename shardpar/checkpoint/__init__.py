@@ -185,6 +185,8 @@ def resume_from_checkpoint(
     and the tensor-parallel degree are unchanged. A full checkpoint restores the model only.
     """
     root, coord = Path(path), Coordinator(topology, engine)
+    # A re-save that crashed between its two renames is undone first ([Note: re-saving a tag]).
+    coord.on_root("resume_from_checkpoint: recovering", lambda: atomic.recover(root))
     if partial:
         job: _reshard.LoadJob | None = None
 
@@ -221,6 +223,7 @@ def load_consolidated(path: PathLike, tag: str | None = None) -> Iterator[tuple[
     parameters come back in the original (Hugging Face) layout, whatever tensor parallelism saved them.
     """
     root = Path(path)
+    atomic.recover(root)
     name = tag if tag is not None else atomic.read_pointer(root, "newest")
     directory = root / f"{name}{ix.PARTIAL_SUFFIX}"
     index = ix.read_index(directory)
