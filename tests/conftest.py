@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import shardpar as smp
 from tests.harness import PoolCache
 
 
@@ -16,6 +17,18 @@ def ranks() -> Iterator[PoolCache]:
     cache = PoolCache()
     yield cache
     cache.close()
+
+
+@pytest.fixture
+def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """smp.init() in this test's process as a world of one (no launcher variables), shut down after."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    smp.init({"sdp_param_persistence_threshold": 10})
+    try:
+        yield
+    finally:
+        smp.shutdown()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,7 +4,6 @@ which optimizer the facade picks when none is passed, and export-only arguments 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,17 +13,6 @@ import shardpar as smp
 from shardpar.model import DistributedModel
 from shardpar.optimizer import DistributedOptimizer
 from tests import models
-
-
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    smp.init({"sdp_param_persistence_threshold": 10})
-    try:
-        yield
-    finally:
-        smp.shutdown()
 
 
 def _model(seed: int, **mlp: int) -> DistributedModel:

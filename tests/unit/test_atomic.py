@@ -8,7 +8,7 @@ SIGKILLs real ranks at the same point.)
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -103,17 +103,6 @@ def test_tag_names_with_dashes_are_restored_whole(tmp_path: Path) -> None:
 
 
 # ---- the facade, world 1: save, crash while re-saving the same tag, resume ----------------------
-
-
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    smp.init({"sdp_param_persistence_threshold": 10})
-    try:
-        yield
-    finally:
-        smp.shutdown()
 
 
 def _build(seed: int) -> tuple[DistributedModel, DistributedOptimizer]:
