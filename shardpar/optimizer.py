@@ -227,7 +227,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         scaler = state.pop("loss_scaler", None)
         plan = self.plan_loss_scaler_load(scaler) if scaler is not None else None
         self.optimizer.load_state_dict(state)
-        if scaler is not None and plan is not None:
+        if plan is not None:
             self.load_loss_scaler_state(scaler, plan)
 
     # ---- loss scaler in checkpoints -----------------------------------------------------------

@@ -37,7 +37,7 @@ class DtypePolicy:
         if reduce not in (torch.float32, compute):
             raise ValueError(
                 f"sdp_reduce_dtype={config.sdp_reduce_dtype!r} must be 'fp32' or the compute dtype "
-                f"({_name(compute)}); set bf16/fp16 accordingly or use 'fp32'"
+                f"({precision_name(compute)}); set bf16/fp16 accordingly or use 'fp32'"
             )
         return cls(compute=compute, reduce=reduce)
 
@@ -46,13 +46,9 @@ class DtypePolicy:
         return self.compute != self.main
 
 
-def _name(dtype: torch.dtype) -> str:
-    return next(k for k, v in _DTYPES.items() if v == dtype)
-
-
 def precision_name(dtype: torch.dtype) -> str:
-    """'fp32', 'bf16' or 'fp16': how checkpoints record the compute dtype."""
-    return _name(dtype)
+    """'fp32', 'bf16' or 'fp16': the knob-style name of a compute dtype (also what checkpoints record)."""
+    return next(k for k, v in _DTYPES.items() if v == dtype)
 
 
 # ---- loss scalers ---------------------------------------------------------------------------------
@@ -257,7 +253,7 @@ def plan_scaler_resume(saved: Mapping[str, Any], scaler: LossScaler, compute: to
     checkpoint holds no fp16 scale to resume. Decided before anything is loaded; a malformed state
     raises ValueError naming the field."""
     check_scaler_state(saved)
-    then, now = _saved_precision(saved), _name(compute)
+    then, now = _saved_precision(saved), precision_name(compute)
     if now == "fp16" and then == "fp16" and saved["kind"] == scaler.kind:
         return ScalerResume(apply=True)
     if now != "fp16" and then != "fp16":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -80,6 +82,27 @@ def lm_batch(seed: int, n: int, seq: int = 16, vocab: int = 96) -> dict[str, tor
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n, seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def train_lm_side_by_side(
+    model: Any, opt: Any, ref: nn.Module, ref_opt: Any, *, rank: int, world: int, plain_backward: bool = False
+) -> float:
+    """Two steps: the sharded `model` on this rank's 2 sequences of each global `lm_batch`, `ref` on all
+    of it; the max abs difference of their state dicts afterwards."""
+    for step in range(2):
+        batch = lm_batch(step, 2 * world)
+        loss = model(**{k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}).loss
+        if plain_backward:
+            loss.backward()
+        else:
+            model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ref(**batch).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ours, theirs = model.state_dict(), ref.state_dict()
+    return max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
 
 
 class BranchyMLP(UnevenMLP):

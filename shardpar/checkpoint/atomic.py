@@ -19,7 +19,7 @@ state harmless:
     .old-<name>-<id>    always a complete checkpoint (only publish_dir creates it, by a rename)
     .trash-<name>-<id>  being deleted, possibly half gone: never read, never restored
 
-and `recover(root)` (rank 0, first thing in every save and in smp.resume_from_checkpoint) renames an
+and `recover(root)` (rank 0, first thing in every save, every resume and load_consolidated) renames an
 `.old-<name>-*` back to `<name>` when `<name>` is missing, and deletes it when `<name>` exists (the
 new save was published). The crash states of a re-save and what recovery makes of them:
 

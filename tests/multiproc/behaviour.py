@@ -303,18 +303,9 @@ def checkpointing_and_eval_case(use_reentrant: bool) -> dict[str, Any]:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     model.train()
     ref.train()
-    rank, world = smp.rank(), smp.size()
-    for step in range(2):
-        batch = models.lm_batch(step, 2 * world)
-        loss = model(**{k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}).loss
-        loss.backward()  # plain backward, no model.backward
-        opt.step()
-        opt.zero_grad()
-        ref(**batch).loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    ours, theirs = model.state_dict(), ref.state_dict()
-    train_diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+    train_diff = models.train_lm_side_by_side(  # plain loss.backward(), no model.backward
+        model, opt, ref, ref_opt, rank=smp.rank(), world=smp.size(), plain_backward=True
+    )
     model.eval()
     ref.eval()
     prompt = models.lm_batch(7, 2)["input_ids"][:, :5]
