@@ -128,18 +128,7 @@ def setup_fsdp2(case: Case) -> tuple[Step, Callable[[], None]]:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step(batch: Batch) -> torch.Tensor:
-        loss = model(**batch).loss
-        _mark()
-        loss.backward()
-        _mark()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step, teardown
+    return _torch_step(model, opt, autocast=False), teardown
 
 
 def setup_deepspeed(case: Case) -> tuple[Step, Callable[[], None]]:
@@ -180,20 +169,7 @@ def setup_plain(case: Case) -> tuple[Step, Callable[[], None]]:
     teardown = _init_gloo(case)
     model = build_model(case.model, case.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    bf16 = case.dtype == "bf16"
-
-    def step(batch: Batch) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-            loss = model(**batch).loss
-        _mark()
-        loss.backward()
-        _mark()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step, teardown
+    return _torch_step(model, opt, autocast=case.dtype == "bf16"), teardown
 
 
 SETUPS = {"shardpar": setup_shardpar, "fsdp2": setup_fsdp2, "deepspeed": setup_deepspeed, "plain": setup_plain}
@@ -307,3 +283,21 @@ def profile_step(case: Case, rank: int, step: Step, batch: Batch) -> None:
     pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(40)
     with open(stem + "_cprofile.txt", "w") as f:
         f.write(buf.getvalue())
+
+
+def _torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, *, autocast: bool) -> Step:
+    """Forward (under bf16 autocast if asked), backward, clip, optimizer step, zero_grad: plain
+    PyTorch's training step, which FSDP2 runs unchanged."""
+
+    def step(batch: Batch) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss = model(**batch).loss
+        _mark()
+        loss.backward()
+        _mark()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
