@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from shardpar.deferred_init import is_deferred, materialize, materialize_by_reset, record_init
+from shardpar.tensor_parallel.layers import TPLayer
 
 _SEED = 0  # every rank materialises a meta parameter with no record from the same RNG state
 
@@ -60,6 +61,23 @@ class Materializer:
             for name, b in list(m._buffers.items()):
                 if b is not None and is_deferred(b):
                     m._buffers[name] = materialize(b, self.device)
+
+
+def check_nothing_materialised(module: nn.Module) -> None:
+    """`delayed_parameter_initialization=True` promises no rank builds the full model: every parameter is
+    still on meta (deferred or init_empty_weights). TP layers are exempt: the TP conversion, run before
+    this, materialised only this rank's TP slice of them. Same outcome on every rank, before any collective."""
+    tp_owned = {id(p) for m in module.modules() if isinstance(m, TPLayer) for p in m.parameters()}
+    real = [(n, p.numel()) for n, p in module.named_parameters() if not p.is_meta and id(p) not in tp_owned]
+    if real:
+        listed = ", ".join(n for n, _ in real[:3]) + (f" and {len(real) - 3} more" if len(real) > 3 else "")
+        raise ValueError(
+            f"delayed_parameter_initialization=True, but the module passed to smp.DistributedModel already holds "
+            f"{len(real)} initialised parameter(s) ({listed}; {sum(k for _, k in real)} elements), so this rank "
+            "built them in full before sharding. Build the model under smp.delay_param_initialization() (or "
+            "accelerate's init_empty_weights()) so that each rank materialises only its shards, or set "
+            "delayed_parameter_initialization=False to shard a model built normally"
+        )
 
 
 def _check_buffers(module: nn.Module) -> None:

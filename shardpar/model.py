@@ -24,12 +24,11 @@ from torch import nn
 from shardpar.collectives import Engine
 from shardpar.config import Config
 from shardpar.layout import flat_layout
-from shardpar.materialize import Materializer
+from shardpar.materialize import Materializer, check_nothing_materialised
 from shardpar.persistent import PersistentParams
 from shardpar.precision import DtypePolicy
 from shardpar.reducer import GradReducer
 from shardpar.schedule import LiveCounter, Scheduler
-from shardpar.tensor_parallel.layers import TPLayer
 from shardpar.topology import Topology
 from shardpar.unit import Unit, UnitComm, UnitState
 from shardpar.units import UnitPlan, WrapPolicy, plan_units
@@ -66,7 +65,7 @@ class DistributedModel(nn.Module):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
         if config.delayed_parameter_initialization:
-            _check_nothing_materialised(module)
+            check_nothing_materialised(module)
         self.module = module
         self.config = config
         self.topology = topology
@@ -379,23 +378,6 @@ class DistributedModel(nn.Module):
 
     def all_sharded(self) -> bool:
         return all(u.state is UnitState.SHARDED for u in self.units)
-
-
-def _check_nothing_materialised(module: nn.Module) -> None:
-    """`delayed_parameter_initialization=True` promises no rank builds the full model: every parameter is
-    still on meta (deferred or init_empty_weights). TP layers are exempt: the TP conversion, run before
-    this, materialised only this rank's TP slice of them. Same outcome on every rank, before any collective."""
-    tp_owned = {id(p) for m in module.modules() if isinstance(m, TPLayer) for p in m.parameters()}
-    real = [(n, p.numel()) for n, p in module.named_parameters() if not p.is_meta and id(p) not in tp_owned]
-    if real:
-        listed = ", ".join(n for n, _ in real[:3]) + (f" and {len(real) - 3} more" if len(real) > 3 else "")
-        raise ValueError(
-            f"delayed_parameter_initialization=True, but the module passed to smp.DistributedModel already holds "
-            f"{len(real)} initialised parameter(s) ({listed}; {sum(k for _, k in real)} elements), so this rank "
-            "built them in full before sharding. Build the model under smp.delay_param_initialization() (or "
-            "accelerate's init_empty_weights()) so that each rank materialises only its shards, or set "
-            "delayed_parameter_initialization=False to shard a model built normally"
-        )
 
 
 def _module_device(module: nn.Module) -> torch.device:
