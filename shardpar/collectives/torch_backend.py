@@ -183,6 +183,24 @@ class SmddpProcessGroup(dist.ProcessGroup):
             return self._backend(output)._reduce_scatter_base(output, input, opts)
         return self._run(lambda comm: comm.reduce_scatter(output, input, _checked(op)), [output])
 
+    # [Note: coalesced overrides hold no GIL]
+    # Functional collectives (DTensor's `full_tensor()`, `_c10d_functional.all_gather_into_tensor`)
+    # reach a group through these two C++ methods. When a Python subclass does not override them,
+    # torch 2.13's trampoline (PyProcessGroup.hpp) calls the C++ base *with the GIL held*, into gloo's
+    # `enqueue`, which waits on gloo's work mutex. A gloo worker that meanwhile drops the last reference
+    # to a finished work holds that mutex and needs the GIL to free its tensors: both threads wait for
+    # ever (seen as a 90 s gloo send/recv timeout on the peer, ~1 run in 10). Overriding them here sends
+    # those calls to shm or to the backend's Python bindings, which release the GIL.
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        return _joined([self.all_gather_single(out, inp, opts) for out, inp in zip(outputs, inputs, strict=True)])
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        return _joined([self.reduce_scatter_single(out, inp, opts) for out, inp in zip(outputs, inputs, strict=True)])
+
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         opts = opts if opts is not None else BroadcastOptions()
         if len(tensors) != 1 or self._route("broadcast", *tensors) != "shm":
@@ -194,9 +212,10 @@ class SmddpProcessGroup(dist.ProcessGroup):
 # [Note: delegate to the backend]
 # Collectives the transport does not serve are handed to the registered gloo/NCCL backend object
 # directly. Going through the C++ `ProcessGroup` method instead (`super().allreduce(...)`, or not
-# overriding the method at all) dead-locked gloo intermittently with 4 ranks in torch 2.13 (an fp64
-# all_reduce loop hung within a few iterations, while the same calls on the backend object ran 200
-# iterations clean), so every collective of the ProcessGroup API is overridden here.
+# overriding the method at all) dead-locks gloo intermittently in torch 2.13 (an fp64 all_reduce loop
+# hung within a few iterations with 4 ranks; the same calls on the backend object ran 200 iterations
+# clean): the trampoline holds the GIL into gloo, see [Note: coalesced overrides hold no GIL]. So every
+# collective the trampoline can route to Python is overridden here.
 _DELEGATED = {
     "allreduce_coalesced": "allreduce_coalesced",
     "allgather": "allgather",
@@ -225,6 +244,13 @@ def _delegate(backend_method: str) -> Callable[..., Any]:
 
 for _name, _backend_method in _DELEGATED.items():
     setattr(SmddpProcessGroup, _name, _delegate(_backend_method))
+
+
+def _joined(works: list[Any]) -> Any:
+    """One Work that completes when every one of `works` has (the only one, when there is one)."""
+    if len(works) == 1:
+        return works[0]
+    return _create_work_from_future(torch.futures.collect_all([w.get_future() for w in works]))
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:

@@ -51,6 +51,9 @@ def test_ddp_and_fsdp2_scripts_run_unchanged_on_smddp(tmp_path: Path, world: int
     assert fsdp.get("all_gather_single shm", 0) > 0 and fsdp.get("reduce_scatter_single shm", 0) > 0, fsdp
     assert not any("fallback" in route for route in fsdp), fsdp
     assert set(smddp["fsdp2"]["groups"]) == {"SmddpProcessGroup"}
+    # Functional collectives (full_tensor of each of the 6 sharded parameters) reach our override too:
+    # left to torch's trampoline they would hold the GIL into gloo (see torch_backend.py).
+    assert smddp["fsdp2"]["full_tensor_routes"] == {"all_gather_single shm": 6}, smddp["fsdp2"]["full_tensor_routes"]
     # What shm does not serve goes to gloo, gives gloo's values, and is counted.
     assert smddp["fallbacks"]["values"] == gloo["fallbacks"]["values"]
     fallbacks = smddp["fallbacks"]["routes"]
