@@ -162,6 +162,29 @@ def fp16_static_overflow_case() -> dict[str, Any]:
     }
 
 
+def fp16_loss_scale_case(clip: float, scale: float, steps: int = 3) -> dict[str, Any]:
+    """fp16 with a static loss scale under SGD (not scale-invariant, unlike Adam): the grad norm seen
+    by clipping and the update must not depend on the scale, so a missing or doubled unscale, or
+    clipping applied to the scaled gradients, shows up as a factor of `scale`."""
+    smp.init({**SHARD, "fp16": True, "sdp_gradient_clipping": clip})
+    try:
+        model = smp.DistributedModel(models.tiny_neox())
+        opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=scale)
+        rank, world = smp.rank(), smp.size()
+        start = [u.main_shard.clone() for u in model.units]
+        norms: list[float] = []
+        for step in range(steps):
+            batch = models.lm_batch(step, 2 * world)
+            model.backward(model(**{k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}).loss)
+            opt.step()
+            opt.zero_grad()
+            norms.append(float(opt.last_grad_norm))
+        update = torch.cat([(u.main_shard - s).flatten() for u, s in zip(model.units, start, strict=True)])
+        return {"norms": norms, "update": update.tolist(), "overflow": opt.overflow}
+    finally:
+        smp.shutdown()
+
+
 def delayed_init_case() -> dict[str, Any]:
     """A model built under smp.delay_param_initialization() equals the normal init, shard by shard."""
     smp.init({**SHARD})

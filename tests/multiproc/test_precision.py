@@ -86,6 +86,21 @@ def test_fp16_overflow_detected_with_static_scale_one_and_no_clipping(ranks) -> 
         assert res["scale"] == 1.0 and res["recovered"] and res["finite"], res
 
 
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_fp16_loss_scale_is_undone_before_clipping_and_the_step(ranks, clip: float) -> None:
+    """Same run with static scale 1 and 1024: same unscaled grad norm, same SGD update. Power-of-two
+    scaling is exact in fp16 except where scale 1 underflows small gradients, hence 1% and not 0."""
+    plain, scaled = (ranks.run(2, cases.fp16_loss_scale_case, clip, scale)[0] for scale in (1.0, 1024.0))
+    assert not plain["overflow"] and not scaled["overflow"]
+    for a, b in zip(plain["norms"], scaled["norms"], strict=True):
+        assert abs(a - b) <= 0.01 * a, (plain["norms"], scaled["norms"])
+    diff = max(abs(a - b) for a, b in zip(plain["update"], scaled["update"], strict=True))
+    size = max(abs(a) for a in plain["update"])
+    assert size > 0 and diff <= 0.01 * size, (diff, size)
+    if clip:  # the clip really clipped: every step's norm is above it
+        assert min(plain["norms"]) > clip, plain["norms"]
+
+
 @pytest.mark.slow
 def test_fp16_200_steps_with_periodic_overflow_never_nan(ranks) -> None:
     for res in ranks.run(2, cases.fp16_overflow_case, 200, 7):
