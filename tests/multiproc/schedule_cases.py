@@ -15,34 +15,43 @@ SHARD = {"sdp_param_persistence_threshold": 10}
 
 
 def live_cap_case(cap_units: float) -> dict[str, Any]:
-    """Train with sdp_max_live_parameters = cap_units x (root + one block); record every gather/free."""
+    """Train with sdp_max_live_parameters = cap_units x (root + one block); record every gather/free.
+    The same run without a cap shows how far prefetch (depth 3) would go if the cap did not hold it."""
     probe = models.UnevenMLP()
     root_numel = sum(p.numel() for n, p in probe.named_parameters() if not n.startswith("blocks") and p.numel() >= 10)
     block_numel = sum(p.numel() for p in probe.blocks[0].parameters() if p.numel() >= 10)
     sdp = 2
     pad = lambda n: -(-n // sdp) * sdp  # noqa: E731
-    cap = int(cap_units * (pad(root_numel) + pad(block_numel)))
-    smp.init({**SHARD, "sharded_data_parallel_degree": sdp, "sdp_max_live_parameters": cap})
-    torch.manual_seed(0)
-    model = smp.DistributedModel(models.UnevenMLP())
-    model.set_prefetch_depth(3)
-    model.set_live_trace(True)
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(3):
-            model.backward(model(**models.mlp_batch(step, 4)))
-            opt.step()
-            opt.zero_grad()
-    trace = model.live.trace or []
-    prefetched = sum(1 for name, delta, _ in trace if delta > 0)
-    return {
-        "cap": cap,
-        "max_live": max(live for _, _, live in trace),
-        "gathers": prefetched,
-        "warnings": [str(w.message) for w in caught if "sdp_max_live_parameters" in str(w.message)],
-        "final_live": model.live.live,
-    }
+    one_block = pad(root_numel) + pad(block_numel)
+    cap = int(cap_units * one_block)
+    capped = _traced_run({**SHARD, "sharded_data_parallel_degree": sdp, "sdp_max_live_parameters": cap})
+    uncapped = _traced_run({**SHARD, "sharded_data_parallel_degree": sdp, "sdp_max_live_parameters": 10**12})
+    return {**capped, "cap": cap, "root_plus_one_block": one_block, "uncapped_max_live": uncapped["max_live"]}
+
+
+def _traced_run(knobs: dict[str, Any]) -> dict[str, Any]:
+    smp.init(knobs)
+    try:
+        torch.manual_seed(0)
+        model = smp.DistributedModel(models.UnevenMLP())
+        model.set_prefetch_depth(3)
+        model.set_live_trace(True)
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                model.backward(model(**models.mlp_batch(step, 4)))
+                opt.step()
+                opt.zero_grad()
+        trace = model.live.trace or []
+        return {
+            "max_live": max(live for _, _, live in trace),
+            "gathers": sum(1 for _, delta, _ in trace if delta > 0),
+            "warnings": [str(w.message) for w in caught if "sdp_max_live_parameters" in str(w.message)],
+            "final_live": model.live.live,
+        }
+    finally:
+        smp.shutdown()
 
 
 def bucket_case(bucket: int) -> dict[str, Any]:
