@@ -41,7 +41,11 @@ class GradReducer:
     _inflight: list[_Inflight] = field(default_factory=list)
 
     def add(self, unit: Unit) -> None:
-        """Take the unit's grads (freeing them) into the open bucket; issue it once full."""
+        """Take the unit's grads (freeing them) into the open bucket; issue it once full. A unit that
+        would overflow a non-empty bucket starts the next one, so a bucket holds at most bucket_size
+        elements unless a single unit is bigger than that (then it goes alone)."""
+        if self._pending and self._pending_numel + unit.layout.padded_numel > self.bucket_size:
+            self.flush()
         self._pending.append((unit, unit.pack_grads(self.reduce_dtype)))
         self._pending_numel += unit.layout.padded_numel
         unit.reduced = True

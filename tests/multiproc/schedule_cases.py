@@ -67,6 +67,7 @@ def bucket_case(bucket: int) -> dict[str, Any]:
     return {
         "calls": len(rs),
         "bytes": sum(r.bytes for r in rs),
+        "call_bytes": [r.bytes for r in rs],
         "async": all(r.async_op for r in rs),
         "units": {u.name: u.layout.padded_numel * 4 for u in model.units if u.num_trainable},
         "params": {k: v for k, v in model.state_dict().items()},

@@ -35,6 +35,15 @@ def test_reduce_buckets(ranks) -> None:
     assert one["async"] and big["async"]
     for k, v in one["params"].items():
         assert torch.equal(v, big["params"][k]), f"bucketing changed {k}"
+    # In between: units are packed, and no bucket holds more than sdp_reduce_bucket_size elements
+    # (fp32 reduction: 4 bytes each) unless it is one unit bigger than the bucket.
+    size = 2 * min(units.values()) // 4 + 1  # two of the smallest units fit, a third does not
+    mid = ranks.run(2, cases.bucket_case, size)[0]
+    assert 1 < mid["calls"] < len(units), mid["call_bytes"]
+    assert all(b <= 4 * size for b in mid["call_bytes"]), mid["call_bytes"]
+    assert sum(mid["call_bytes"]) == sum(units.values())
+    for k, v in one["params"].items():
+        assert torch.equal(v, mid["params"][k]), f"bucketing changed {k}"
 
 
 def test_hierarchical_allgather_bit_identical(ranks) -> None:
