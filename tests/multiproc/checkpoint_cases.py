@@ -261,6 +261,7 @@ def errors_case(root_s: str) -> dict[str, Any]:
     model, opt, sched = _build(sdp=2)
     _train(model, opt, sched, range(1))
     _save(root_s, "good", model, opt)
+    good = _full_state(model)
     _train(model, opt, sched, range(1, 2))
     _save(root_s, "other", model, opt)
     damages = {
@@ -288,12 +289,27 @@ def errors_case(root_s: str) -> dict[str, Any]:
         errors["misfit"] = "no error"
     except ckpt.CheckpointError as e:
         errors["misfit"] = str(e)
+    fresh = _full_state(model2)
     loose = _resume(root_s, "good", model2, opt2, strict=False, load_optimizer=False)
+    # What fits (same name, same shape) now holds the saved values, the rest kept its own.
+    fit = {k: v for k, v in _full_state(model2).items() if k in good and good[k].shape == v.shape}
+    loose_fit = max((v - good[k]).abs().max().item() for k, v in fit.items())
+    loose_changed = sorted(k for k in fit if not torch.equal(fresh[k], good[k]))
+    loose_optimizer_empty = not _adam_moments(model2, opt2)
     after = _full_state(model)
     unchanged = max((after[k] - before[k]).abs().max().item() for k in before)
     moments_after = _adam_moments(model, opt)
     moments_unchanged = max((moments_after[k] - moments_before[k]).abs().max().item() for k in moments_before)
-    return {"errors": errors, "unchanged": unchanged, "moments_unchanged": moments_unchanged, "loose": loose}
+    return {
+        "errors": errors,
+        "unchanged": unchanged,
+        "moments_unchanged": moments_unchanged,
+        "loose": loose,
+        "loose_fit": loose_fit,
+        "loose_loaded": loose_changed,
+        "loose_skipped": sorted(k for k in fresh if k not in fit),
+        "loose_optimizer_empty": loose_optimizer_empty,
+    }
 
 
 # ---- pointers and pruning ------------------------------------------------------------------------

@@ -84,6 +84,9 @@ def test_damaged_checkpoints_raise_clear_errors_and_load_nothing(ranks, tmp_path
             assert all(w in message for w in words), f"rank {rank} {tag}: {message}"
         assert r["unchanged"] == 0.0 and r["moments_unchanged"] == 0.0, "a failed resume changed the model"
         assert r["loose"] is None  # strict=False loaded what fits (no user_content was saved)
+        assert r["loose_fit"] == 0.0 and len(r["loose_loaded"]) > 2, r["loose_loaded"]
+        assert r["loose_skipped"] == [], r["loose_skipped"]  # the smaller model: everything fits
+        assert r["loose_optimizer_empty"], "load_optimizer=False still loaded optimizer state"
 
 
 def test_keep_n_pruning_newest_pointer_and_argument_errors(ranks, tmp_path: Path) -> None:
