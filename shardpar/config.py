@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -277,6 +278,8 @@ def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}={value!r} must be a number, got {type(value).__name__}; e.g. {name}={f.default!r}")
+    if not math.isfinite(value):  # nan would silently turn a clipping threshold off; inf is no size
+        raise ValueError(f"{name}={value!r} must be a finite number; e.g. {name}={f.default!r}")
     if kind.startswith("int"):
         if value != int(value):
             raise ValueError(f"{name}={value!r} must be a whole number")

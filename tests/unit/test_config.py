@@ -161,6 +161,8 @@ def test_world_rules(knobs: dict, world: int, pattern: str) -> None:
         ),
         ({"sdp_gradient_clipping": "1.0"}, r"sdp_gradient_clipping='1.0' must be a number, got str"),
         ({"sdp_reduce_bucket_size": 2.5}, r"sdp_reduce_bucket_size=2.5 must be a whole number"),
+        ({"sdp_gradient_clipping": float("nan")}, r"sdp_gradient_clipping=nan must be a finite number; e\.g\."),
+        ({"sdp_reduce_bucket_size": float("inf")}, r"sdp_reduce_bucket_size=inf must be a finite number"),
         ({"bf16": 1}, r"bf16=1 must be True or False, got int"),
         ({"sharded_data_parallel_degree": True}, r"sharded_data_parallel_degree=True must be a number, got bool"),
         ({"ddp_dist_backend": "mpi"}, r"ddp_dist_backend='mpi' is not one of \('auto', 'nccl', 'smddp'\); use 'auto'"),
