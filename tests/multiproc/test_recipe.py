@@ -14,6 +14,9 @@ import pytest
 from recipes.causal_lm.options import Options, parse_args
 from recipes.causal_lm.report import read_metrics
 from recipes.causal_lm.train import RunResult, run
+from shardpar.config import Config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = {"sdp_param_persistence_threshold": 1000}
 
@@ -95,6 +98,13 @@ def test_options_config_file_and_overrides(tmp_path: Path) -> None:
         parse_args(["--config", str(bad)])
     with pytest.raises(ValueError, match="--sdp=0 must be >= 1"):
         parse_args(["--sdp", "0"])
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "recipes" / "configs").glob("*.toml")))
+def test_shipped_configs_parse_and_their_knobs_validate(config: str) -> None:
+    opts = parse_args(["--config", str(ROOT / "recipes" / "configs" / config)])
+    knobs = Config.from_dict(opts.shardpar_config(), env={})
+    assert knobs.sharded_data_parallel_degree == opts.sdp
 
 
 def test_png_progress_and_smoothing(tmp_path: Path) -> None:
