@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ __all__ = [
 ]
 
 _OK, _EINVAL, _ESYS, _ETIMEDOUT, _EPEERDEAD, _EPEERGONE, _EMISMATCH = 0, -1, -2, -3, -4, -5, -6
+# How the C transport names a peer in its messages ("rank 1 (local index) ...", "reported by rank 0").
+_LOCAL_RANK = re.compile(r"\brank (\d+) \(local index")
+_REPORTER = re.compile(r"reported by rank (\d+)")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OPS = {"sum": 0, "avg": 1}
 _ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -204,10 +208,15 @@ class ShmComm:
         *,
         timeout_s: float = 300.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        members: Sequence[int] | None = None,
     ) -> None:
         self._handle: int | None = None
         if not 0 <= index < size:
             raise ValueError(f"shm: local index {index} must be in [0, size={size})")
+        if members is not None and len(members) != size:
+            raise ValueError(f"shm: members {list(members)} must name {size} global ranks, one per local index")
+        # Global rank of each local index: errors name the rank a user can find in the launcher's logs.
+        self.members = list(members) if members is not None else None
         self.name = segment_name(key, group)
         self.index, self.size, self.timeout_s = index, size, timeout_s
         lib = _lib()
@@ -217,7 +226,7 @@ class ShmComm:
             ("/" + self.name).encode(), index, size, chunk_bytes, timeout_s, ctypes.byref(status), err, len(err)
         )
         if not handle:
-            _raise(status.value, err.value.decode(errors="replace"))
+            _raise(status.value, self._name_members(err.value.decode(errors="replace")))
         self._handle = handle
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -248,7 +257,15 @@ class ShmComm:
 
     def _check(self, status: int) -> None:
         if status != _OK:
-            _raise(status, _lib().shm_comm_last_error(self._handle).decode(errors="replace"))
+            _raise(status, self._name_members(_lib().shm_comm_last_error(self._handle).decode(errors="replace")))
+
+    def _name_members(self, message: str) -> str:
+        """The transport names peers by local index; add each one's global rank when it is known."""
+        members = self.members
+        if members is None:
+            return message
+        message = _LOCAL_RANK.sub(lambda m: f"global rank {members[int(m[1])]} (local index {m[1]}", message)
+        return _REPORTER.sub(lambda m: f"reported by global rank {members[int(m[1])]}", message)
 
     # ---- collectives -----------------------------------------------------------------------------
 

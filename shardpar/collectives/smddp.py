@@ -166,7 +166,9 @@ class SmddpEngine:
         comm = self._comms.get(ranks)
         if comm is None:
             tag = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
-            comm = shm.ShmComm(self.key, tag, ranks.index(self.rank), len(ranks), timeout_s=self.options.timeout_s)
+            comm = shm.ShmComm(
+                self.key, tag, ranks.index(self.rank), len(ranks), timeout_s=self.options.timeout_s, members=ranks
+            )
             self._comms[ranks] = comm
         return comm
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardpar as smp
-from shardpar.collectives import ReduceOp
+from shardpar.collectives import ReduceOp, shm
 from shardpar.topology import plan
 
 
@@ -156,6 +156,24 @@ def _dead_peer_times_out() -> str:
 def test_missing_peer_is_an_error_not_a_hang(ranks) -> None:
     results = ranks.run(2, _dead_peer_times_out, timeout=60, discard=True)
     assert results[0].startswith("error"), results
+
+
+def _replica_peer_missing() -> str:
+    """World 4, sdp 2: the replication group of rank 1 is {1, 3} (local indexes 0, 1)."""
+    smp.init({"sharded_data_parallel_degree": 2, "collective_timeout_s": 2.0, "ddp_dist_backend": "smddp"})
+    if smp.rank() != 1:
+        return "not waiting"  # rank 3 never joins
+    try:
+        smp.get_engine().all_reduce(torch.ones(4), smp.get_topology().replication)
+    except Exception as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.skipif(not shm.available()[0], reason="needs the shm transport")
+def test_missing_peer_error_names_its_global_rank(ranks) -> None:
+    message = ranks.run(4, _replica_peer_missing, timeout=60, discard=True)[1]
+    assert "global rank 3 (local index 1)" in message and "did not arrive within 2 s" in message, message
 
 
 @pytest.mark.parametrize(
