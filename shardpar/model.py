@@ -94,7 +94,12 @@ class DistributedModel(nn.Module):
         self.units = self._build_units(plans, materialize)
         self.scheduler = Scheduler(self.units, cap=config.sdp_max_live_parameters, live=self.live)
         self.reducer = GradReducer(
-            engine, topology.sharding, self.policy.reduce, config.sdp_reduce_bucket_size, self.device
+            engine,
+            topology.sharding,
+            self.policy.reduce,
+            config.sdp_reduce_bucket_size,
+            self.device,
+            trainable_width=sum(u.layout.shard_numel for u in self.units if u.num_trainable),
         )
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         self._link_dependencies(plans, registered or {})

@@ -203,9 +203,10 @@ class Unit:
 
     # ---- gradients ---------------------------------------------------------------------------
 
-    def pack_grads(self, dtype: torch.dtype) -> torch.Tensor:
+    def pack_grads(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """The unit's gradients as a [num_shards, shard_numel] block (row r = shard r, zero padding and
-        zeros for parameters without a gradient), freeing the autograd grads.
+        zeros for parameters without a gradient), freeing the autograd grads. `out`, when given, is
+        that block inside a wider bucket (a column range: rows strided, see reducer.py).
 
         Every rank reduces every trainable unit exactly once per backward, gradient or not, so the
         collectives line up whatever the graph did.
@@ -214,17 +215,16 @@ class Unit:
         # Not torch.zeros: the parameters lie end to end from offset 0 (layout.py), so every element
         # is written once below -- a grad, a zero for a missing grad, or the zero padding tail.
         # Zero-filling the whole block first cost ~55 ms a step at 25M parameters (docs/performance.md).
-        block = torch.empty(n * width, dtype=dtype, device=self.device)
+        block = out if out is not None else torch.empty(n, width, dtype=dtype, device=self.device)
+        flat = block.view(-1) if block.is_contiguous() else None
         for i, (p, spec) in enumerate(zip(self.params, self.layout.specs, strict=True)):
-            piece = block[spec.offset : spec.offset + spec.numel]
-            if p.grad is None:
-                piece.zero_()
-                continue
-            piece.copy_(p.grad.reshape(-1))
-            p.grad = None
-            self.grad_used[i] = True
-        block[self.layout.numel :].zero_()
-        return block.view(n, width)
+            grad = None if p.grad is None else p.grad.reshape(-1)
+            _write_flat(block, flat, spec.offset, spec.numel, grad)
+            if grad is not None:
+                p.grad = None
+                self.grad_used[i] = True
+        _write_flat(block, flat, self.layout.numel, n * width - self.layout.numel, None)
+        return block
 
     def accumulate_main_grad(self, reduced: torch.Tensor, *, scale: float = 1.0) -> None:
         """Add one micro-step's reduced shard gradient times `scale` (fp32 accumulation)."""
@@ -272,3 +272,29 @@ class Unit:
                 for p, spec in zip(self.params, self.layout.specs, strict=True):
                     if spec.fqn in values:
                         p.data.copy_(values[spec.fqn].view(spec.shape))
+
+
+def _write_flat(
+    block: torch.Tensor, flat: torch.Tensor | None, start: int, numel: int, src: torch.Tensor | None
+) -> None:
+    """block.view(-1)[start : start + numel] = src (zeros when src is None), for a [rows, width] block
+    whose rows may be strided: then the range is written row piece by row piece."""
+    if numel == 0:
+        return
+    if flat is not None:
+        _fill(flat[start : start + numel], src)
+        return
+    width = block.shape[1]
+    pos = start
+    while pos < start + numel:
+        row, col = divmod(pos, width)
+        take = min(width - col, start + numel - pos)
+        _fill(block[row, col : col + take], None if src is None else src[pos - start : pos - start + take])
+        pos += take
+
+
+def _fill(piece: torch.Tensor, src: torch.Tensor | None) -> None:
+    if src is None:
+        piece.zero_()
+    else:
+        piece.copy_(src)
