@@ -51,8 +51,11 @@ class GradReducer:
     _pending_numel: int = 0
     _buffer: torch.Tensor | None = None  # the open bucket, [num_shards, capacity]
     _used: int = 0  # columns of _buffer filled so far
-    _to_come: int | None = None  # trainable columns not yet added in this backward
+    _to_come: int = 0  # trainable columns not yet added in this backward
     _inflight: list[_Inflight] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._to_come = self.trainable_width
 
     def add(self, unit: Unit) -> None:
         """Take the unit's grads (freeing them) into the open bucket; issue it once full. A unit that
@@ -64,12 +67,11 @@ class GradReducer:
         if self._buffer is not None and self._used + width > self._buffer.shape[1]:
             self.flush()  # more units than trainable_width promised: never write past the buffer
         if self._buffer is None:
-            to_come = self._to_come if self._to_come is not None else self.trainable_width
-            capacity = max(width, min(self.bucket_size // n, to_come))
+            capacity = max(width, min(self.bucket_size // n, self._to_come))
             self._buffer = torch.empty(n, capacity, dtype=self.reduce_dtype, device=self.device)
         unit.pack_grads(self.reduce_dtype, out=self._buffer[:, self._used : self._used + width])
         self._used += width
-        self._to_come = max(0, (self._to_come if self._to_come is not None else self.trainable_width) - width)
+        self._to_come = max(0, self._to_come - width)
         self._pending.append(unit)
         self._pending_numel += unit.layout.padded_numel
         unit.reduced = True
@@ -90,7 +92,7 @@ class GradReducer:
         """Flush, wait for every bucket, and add the reduced shards, times `scale`, into the units'
         main grads (see [Note: micro-batch averaging] in model.py)."""
         self.flush()
-        self._to_come = None  # the next backward starts with every trainable unit to come
+        self._to_come = self.trainable_width  # the next backward starts with every unit to come
         for item in self._inflight:
             item.work.wait()
             col = 0
