@@ -69,6 +69,22 @@ def check_smddp_across_nodes(ranks_per_node: int) -> tuple[list[str], dict[tuple
     return problems, dict(getattr(engine, "routes", {}))
 
 
+def check_sort_buffer_and_auto() -> dict[str, object]:
+    """World 4 as 2 nodes of 2, SMDDP_AG_SORT_BUFFER_SIZE_BYTES = 8192: a cross-node gather of more
+    than 8192 * 8 bytes in all falls back to native ("sort"), a smaller one stays hierarchical; both
+    give the exact blocks. And ddp_dist_backend="auto" picks the smddp engine on CPU."""
+    rank = dist.get_rank()
+    group = Group("test", (0, 1, 2, 3), dist.group.WORLD)
+    engine = make_engine("smddp", timeout_s=60, ranks_per_node=2, ag_sort_bytes=8192)
+    exact = [_all_gather(engine, group, rank, torch.float32, numel) for numel in (100, 4097)]
+    routes = dict(getattr(engine, "routes", {}))
+    getattr(engine, "close", lambda: None)()
+    auto = make_engine("auto", timeout_s=60)
+    auto_name = type(auto).__name__
+    getattr(auto, "close", lambda: None)()
+    return {"exact": exact, "routes": routes, "auto": auto_name}
+
+
 def _check_all(engine: Engine, name: str) -> list[str]:
     rank = dist.get_rank()
     problems: list[str] = []

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from shardpar.collectives import shm
-from tests.multiproc.engine_conformance_cases import check_engine, check_smddp_across_nodes, parity_with_engine_stats
+from tests.multiproc.engine_conformance_cases import (
+    check_engine,
+    check_smddp_across_nodes,
+    check_sort_buffer_and_auto,
+    parity_with_engine_stats,
+)
 
 SHM_OK, SHM_WHY = shm.available()
 ENGINES = ["native", pytest.param("smddp", marks=pytest.mark.skipif(not SHM_OK, reason=SHM_WHY))]
@@ -34,6 +39,17 @@ def test_smddp_across_simulated_nodes(ranks, ranks_per_node: int) -> None:
     assert per_rank[0][1].get(("reduce_scatter", "native:spans_nodes"), 0) > 0, per_rank[0][1]
     if ranks_per_node == 2:
         assert per_rank[0][1].get(("all_reduce", "shm"), 0) > 0, per_rank[0][1]
+        # (0, 2, 3) has 1 rank on node 0 and 2 on node 1: no even split, so a native gather
+        assert per_rank[0][1].get(("all_gather", "native:uneven_nodes"), 0) > 0, per_rank[0][1]
+
+
+@pytest.mark.skipif(not SHM_OK, reason=SHM_WHY)
+def test_sort_buffer_rule_and_auto_engine(ranks) -> None:
+    for res in ranks.run(4, check_sort_buffer_and_auto, timeout=120):
+        assert res["exact"] == [True, True], res
+        # 4 ranks x 4097 fp32 = 65552 bytes > 8 x 8192: sort fallback; 4 x 100 x 4 bytes: hierarchical
+        assert res["routes"] == {("all_gather", "hierarchical"): 1, ("all_gather", "native:sort"): 1}, res
+        assert res["auto"] == "SmddpEngine", res
 
 
 @pytest.mark.skipif(not SHM_OK, reason=SHM_WHY)
