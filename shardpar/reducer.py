@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardpar.collectives import Engine, Group, ReduceOp, Work
+from shardpar.collectives import CompletedWork, Engine, Group, ReduceOp, Work
 from shardpar.unit import Unit
 
 
@@ -83,8 +83,12 @@ class GradReducer:
         if not self._pending or self._buffer is None:
             return
         bucket = self._buffer if self._used == self._buffer.shape[1] else self._buffer[:, : self._used].contiguous()
-        out = torch.empty(bucket.shape[1], dtype=self.reduce_dtype, device=self.device)
-        work = self.engine.reduce_scatter(out, bucket.reshape(-1), self.sharding, op=ReduceOp.AVG, async_op=True)
+        work: Work = CompletedWork()
+        if self.sharding.size == 1:
+            out = bucket.reshape(-1)  # sdp 1: the bucket (a fresh buffer, one row) is the reduced shard
+        else:
+            out = torch.empty(bucket.shape[1], dtype=self.reduce_dtype, device=self.device)
+            work = self.engine.reduce_scatter(out, bucket.reshape(-1), self.sharding, op=ReduceOp.AVG, async_op=True)
         self._inflight.append(_Inflight(work, self._pending, out))
         self._pending, self._pending_numel, self._buffer, self._used = [], 0, None, 0
 
