@@ -69,7 +69,7 @@ class GradReducer:
         if self._buffer is None:
             capacity = max(width, min(self.bucket_size // n, self._to_come))
             self._buffer = torch.empty(n, capacity, dtype=self.reduce_dtype, device=self.device)
-        unit.pack_grads(self.reduce_dtype, out=self._buffer[:, self._used : self._used + width])
+        unit.pack_grads(self._buffer[:, self._used : self._used + width])
         self._used += width
         self._to_come = max(0, self._to_come - width)
         self._pending.append(unit)

@@ -212,28 +212,26 @@ class Unit:
 
     # ---- gradients ---------------------------------------------------------------------------
 
-    def pack_grads(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The unit's gradients as a [num_shards, shard_numel] block (row r = shard r, zero padding and
-        zeros for parameters without a gradient), freeing the autograd grads. `out`, when given, is
-        that block inside a wider bucket (a column range: rows strided, see reducer.py).
+    def pack_grads(self, out: torch.Tensor) -> None:
+        """Write the unit's gradients into `out`, its [num_shards, shard_numel] column range of a
+        bucket (row r = shard r; rows may be strided, see reducer.py), with zero padding and zeros for
+        parameters without a gradient; free the autograd grads.
 
         Every rank reduces every trainable unit exactly once per backward, gradient or not, so the
         collectives line up whatever the graph did.
         """
         n, width = self.layout.num_shards, self.layout.shard_numel
-        # Not torch.zeros: the parameters lie end to end from offset 0 (layout.py), so every element
+        # No zero-fill first: the parameters lie end to end from offset 0 (layout.py), so every element
         # is written once below -- a grad, a zero for a missing grad, or the zero padding tail.
         # Zero-filling the whole block first cost ~55 ms a step at 25M parameters (docs/performance.md).
-        block = out if out is not None else torch.empty(n, width, dtype=dtype, device=self.device)
-        flat = block.view(-1) if block.is_contiguous() else None
+        flat = out.view(-1) if out.is_contiguous() else None
         for i, (p, spec) in enumerate(zip(self.params, self.layout.specs, strict=True)):
             grad = None if p.grad is None else p.grad.reshape(-1)
-            _write_flat(block, flat, spec.offset, spec.numel, grad)
+            _write_flat(out, flat, spec.offset, spec.numel, grad)
             if grad is not None:
                 p.grad = None
                 self.grad_used[i] = True
-        _write_flat(block, flat, self.layout.numel, n * width - self.layout.numel, None)
-        return block
+        _write_flat(out, flat, self.layout.numel, n * width - self.layout.numel, None)
 
     def accumulate_main_grad(self, reduced: torch.Tensor, *, scale: float = 1.0) -> None:
         """Add one micro-step's reduced shard gradient times `scale` (fp32 accumulation). `reduced` is
