@@ -1,43 +1,52 @@
-"""Does prefetch overlap communication with computation? One command, side by side in one run:
+"""Does communication overlap computation? One command, side by side in one run (interleaved A/B):
 
     .venv/bin/python benchmarks/bench_overlap.py [--world 2] [--steps 12] [--hidden 256] [--layers 4]
+    .venv/bin/python benchmarks/bench_overlap.py --mode replication [--world 2] [--hidden 512]
 
-For prefetch depth 0 (gather on demand) and 1 (gather the next unit while this one computes) it
-reports the median step time and the time the hooks spent *blocked* waiting for AllGathers
-(`Unit.wait_for_unshard`). With overlap, the blocked time drops even where the step time cannot
-(2 cores shared by compute and gloo's communication thread).
+`--mode prefetch` (sdp = world): prefetch depth 0 (gather on demand) against 1 (gather the next unit
+while this one computes); "blocked" = time the hooks waited for AllGathers (`Unit.wait_for_unshard`).
+
+`--mode replication` (sdp 1, plain data parallelism, one bucket per transformer block): the bucket's
+replication AllReduce issued as the bucket closes, during backward ([Note: replication in the bucket]),
+against the per-unit AllReduce after backward; "blocked" = time spent at the end of backward
+(`DistributedModel._finish_backward`: waiting for the buckets, the AllReduces not yet done).
+
+With overlap, the blocked time drops even where the step time cannot (2 cores shared by compute and
+the engine's communication thread).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 
-def _rank(depth: int, steps: int, hidden: int, layers: int) -> dict[str, Any]:
+def _timed(owner: Any, name: str, blocked: list[float]) -> Callable[[], None]:
+    """Wrap owner.name to add its wall time to blocked[0]; returns the undo."""
+    original = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            blocked[0] += time.perf_counter() - start
+
+    setattr(owner, name, timed)
+    return lambda: setattr(owner, name, original)
+
+
+def _neox(hidden: int, layers: int) -> torch.nn.Module:
     import transformers
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    import shardpar as smp
-    from shardpar import unit as unit_mod
-
     transformers.logging.set_verbosity_error()
-    blocked = [0.0]
-    original = unit_mod.Unit.wait_for_unshard
-
-    def timed(self: Any) -> None:
-        start = time.perf_counter()
-        original(self)
-        blocked[0] += time.perf_counter() - start
-
-    unit_mod.Unit.wait_for_unshard = timed  # type: ignore[method-assign]
-    import os
-
-    smp.init({"sharded_data_parallel_degree": int(os.environ["WORLD_SIZE"]), "sdp_param_persistence_threshold": 1000})
     torch.manual_seed(0)
     cfg = GPTNeoXConfig(
         vocab_size=1024,
@@ -47,8 +56,31 @@ def _rank(depth: int, steps: int, hidden: int, layers: int) -> dict[str, Any]:
         intermediate_size=4 * hidden,
         max_position_embeddings=128,
     )
-    model = smp.DistributedModel(GPTNeoXForCausalLM(cfg))
-    model.set_prefetch_depth(depth)
+    return GPTNeoXForCausalLM(cfg)
+
+
+def _rank(mode: str, variant: int, steps: int, hidden: int, layers: int) -> dict[str, Any]:
+    import shardpar as smp
+    from shardpar import model as model_mod
+    from shardpar import unit as unit_mod
+
+    blocked = [0.0]
+    world = int(os.environ["WORLD_SIZE"])
+    knobs: dict[str, Any] = {"sdp_param_persistence_threshold": 1000}
+    if mode == "prefetch":
+        knobs["sharded_data_parallel_degree"] = world
+        undo = _timed(unit_mod.Unit, "wait_for_unshard", blocked)
+    else:
+        block = 12 * hidden * hidden + 13 * hidden  # one GPT-NeoX block's elements: one bucket each
+        knobs.update(sharded_data_parallel_degree=1, sdp_reduce_bucket_size=block)
+        undo = _timed(model_mod.DistributedModel, "_finish_backward", blocked)
+    smp.init(knobs)
+    model = smp.DistributedModel(_neox(hidden, layers))
+    if mode == "prefetch":
+        model.set_prefetch_depth(variant)
+    elif not variant:  # the AllReduce per unit after backward, as before the bucket carried it
+        begin = model.reducer.begin_backward
+        model.reducer.begin_backward = lambda *, boundary, scale: begin(boundary=False, scale=scale)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     ids = torch.randint(0, 1024, (4, 128), generator=torch.Generator().manual_seed(smp.rank()))
     times, waits = [], []
@@ -61,7 +93,7 @@ def _rank(depth: int, steps: int, hidden: int, layers: int) -> dict[str, Any]:
         if step >= 2:  # warm-up: the first step records the unit order
             times.append(time.perf_counter() - start)
             waits.append(blocked[0])
-    unit_mod.Unit.wait_for_unshard = original  # type: ignore[method-assign]
+    undo()
     return {"step_ms": statistics.median(times) * 1e3, "blocked_ms": statistics.median(waits) * 1e3}
 
 
@@ -69,21 +101,27 @@ def main() -> None:
     from shardpar.launcher import launch_local
 
     parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("prefetch", "replication"), default="prefetch")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    rows = {}
-    for depth in (0, 1, 0, 1):  # interleaved: the machine is shared and noisy
-        res = launch_local(_rank, args.world, depth, args.steps, args.hidden, args.layers)
-        rows.setdefault(depth, []).append(res[0])
+    rows: dict[int, list[dict[str, Any]]] = {}
+    for _ in range(args.repeats):
+        for variant in (0, 1):  # interleaved: the machine is shared and noisy
+            res = launch_local(_rank, args.world, args.mode, variant, args.steps, args.hidden, args.layers)
+            rows.setdefault(variant, []).append(res[0])
     print(f"world {args.world}, GPT-NeoX hidden {args.hidden} x {args.layers} layers, batch 4x128 per rank")
-    print("prefetch depth | median step ms | median ms blocked on AllGather per step")
-    for depth, results in rows.items():
+    if args.mode == "prefetch":
+        print("prefetch depth | median step ms | median ms blocked on AllGather per step")
+    else:
+        print("AllReduce in the bucket | median step ms | median ms at the end of backward per step")
+    for variant, results in rows.items():
         step = statistics.median(r["step_ms"] for r in results)
         blocked = statistics.median(r["blocked_ms"] for r in results)
-        print(f"{depth:14d} | {step:14.1f} | {blocked:10.1f}")
+        print(f"{variant:14d} | {step:14.1f} | {blocked:10.1f}")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ class DistributedModel(nn.Module):
         self.reducer = GradReducer(
             engine,
             topology.sharding,
+            topology.replication,
             self.policy.reduce,
             config.sdp_reduce_bucket_size,
             self.device,
@@ -237,6 +238,9 @@ class DistributedModel(nn.Module):
         self._finalize_queued_for = torch._C._current_graph_task_id()
         for unit in self.units:
             unit.begin_backward()
+        self.reducer.begin_backward(
+            boundary=self.is_accumulation_boundary(self.num_backward), scale=1.0 / self.microbatches_in_step
+        )
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
@@ -250,8 +254,9 @@ class DistributedModel(nn.Module):
         self.persistent.collect_grads(scale=scale)
         self.num_backward += 1
         if self.is_accumulation_boundary(self.num_backward - 1):
-            for unit in self.units:
-                unit.finish_accumulation()
+            if not self.reducer.replicates:  # else the buckets carried it ([Note: replication in the bucket])
+                for unit in self.units:
+                    unit.finish_accumulation()
             self._agree_on_unused_params()
         for unit in self.units:
             unit.holders.clear()

@@ -244,6 +244,21 @@ class Unit:
         else:
             self.main_grad.add_(reduced, alpha=scale)
 
+    def fold_main_grad(self, reduced: torch.Tensor, *, scale: float) -> None:
+        """sdp 1, last micro-step of the window: turn `reduced` (this unit's slice of a bucket, in the
+        reduce dtype) into exactly what `finish_accumulation` would AllReduce -- the main grad after
+        `accumulate_main_grad(reduced, scale)`, rounded once to the reduce dtype -- without keeping
+        an fp32 copy ([Note: replication in the bucket] in reducer.py)."""
+        if self.main_grad is not None:
+            reduced.copy_(torch.add(self.main_grad, reduced, alpha=scale))
+        elif scale != 1.0:  # a window of one backward has scale 1; kept for exactness, not speed
+            reduced.copy_(reduced.float().mul_(scale))
+
+    def adopt_main_grad(self, replicated: torch.Tensor) -> None:
+        """Take a folded, replication-averaged slice as the main grad (the counterpart of
+        `finish_accumulation` for a bucket that was AllReduced as a whole)."""
+        self.main_grad = replicated if replicated.dtype == torch.float32 else replicated.float()
+
     def finish_accumulation(self) -> None:
         """At the accumulation boundary: average the main grad over the replication group."""
         if self.main_grad is None or self.comm.replication.size == 1:

@@ -156,3 +156,67 @@ def order_change_case() -> dict[str, float]:
         "param": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
         "live_after": float(model.live.live),
     }
+
+
+def replication_overlap_case(knobs: dict[str, Any], accumulate: bool) -> dict[str, Any]:
+    """sdp 1 (plain data parallelism), one unit per bucket: the replication AllReduce of each bucket
+    is issued during backward ([Note: replication in the bucket]). Trains twice, side by side: as
+    shipped, and with the bucket AllReduce turned off (the per-unit AllReduce after backward), so
+    the two can be compared bit for bit. `accumulate`: two micro-batches (smp.step, scale 1/2) times
+    two backward passes per step, so the fold sees an earlier main grad and a scale; else one."""
+    runs, micro = {}, 2 if accumulate else 1
+    for overlap in (True, False):
+        smp.init(
+            {**SHARD, **knobs, "sharded_data_parallel_degree": 1, "sdp_reduce_bucket_size": 1, "microbatches": micro}
+        )
+        try:
+            runs[overlap] = _overlap_run(overlap, torch.bfloat16 if knobs.get("bf16") else torch.float32, micro)
+        finally:
+            smp.shutdown()
+    same = {k: torch.equal(v, runs[False]["params"][k]) for k, v in runs[True]["params"].items()}
+    return {
+        "bit_identical": all(same.values()),
+        "differs": [k for k, ok in same.items() if not ok],
+        "pending_at_allreduce": runs[True]["pending"],
+        "pending_without": runs[False]["pending"],
+        "trainable_units": runs[True]["trainable_units"],
+    }
+
+
+def _overlap_run(overlap: bool, dtype: torch.dtype, micro: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = smp.DistributedModel(models.UnevenMLP(), backward_passes_per_step=micro)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), **ADAM))
+    engine, replication = smp.get_engine(), smp.get_topology().replication
+    pending: list[int] = []  # per replication AllReduce: trainable units whose grads had not arrived yet
+    issue = engine.all_reduce
+
+    def recording_all_reduce(tensor: torch.Tensor, group: Any, **kw: Any) -> Any:
+        if group == replication:
+            pending.append(sum(1 for u in model.units if u.num_trainable and not u.reduced))
+        return issue(tensor, group, **kw)
+
+    engine.all_reduce = recording_all_reduce  # type: ignore[method-assign]
+    if not overlap:
+        begin = model.reducer.begin_backward
+        model.reducer.begin_backward = lambda *, boundary, scale: begin(boundary=False, scale=scale)  # type: ignore[method-assign]
+
+    @smp.step
+    def train_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = model(**batch)
+        model.backward(loss / micro)
+        return loss
+
+    for step in range(3):
+        pending.clear()
+        for index in range(micro):
+            batch = models.mlp_batch(10 * step + index + smp.rank() * 100, 8)
+            train_step(model, {**batch, "x": batch["x"].to(dtype)})
+        opt.step()
+        opt.zero_grad()
+    engine.all_reduce = issue  # type: ignore[method-assign]
+    return {
+        "params": {k: v.clone() for k, v in model.state_dict().items()},
+        "pending": list(pending),
+        "trainable_units": sum(1 for u in model.units if u.num_trainable),
+    }

@@ -77,3 +77,19 @@ def test_prefetch_adapts_to_order_changes(ranks) -> None:
     for r in ranks.run(2, cases.order_change_case):
         assert r["loss"] <= 1e-5 and r["param"] <= 1e-5, r
         assert r["live_after"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("knobs", "accumulate"),
+    [({}, True), ({"bf16": True}, True), ({"ddp_dist_backend": "smddp"}, True), ({"bf16": True}, False)],
+    ids=["fp32-native-accum", "bf16-native-accum", "fp32-smddp-accum", "bf16-native"],
+)
+def test_sdp1_replication_allreduce_overlaps_backward_bit_identically(ranks, knobs, accumulate) -> None:
+    """Issue 7 item 3: at sdp 1 the bucket's AllReduce is issued while backward still has units to
+    reduce, and the result equals the per-unit AllReduce after backward to the last bit."""
+    for r in ranks.run(2, cases.replication_overlap_case, knobs, accumulate):
+        units = r["trainable_units"]
+        # one bucket per unit: the first AllReduce goes out with every other unit still to come
+        assert r["pending_at_allreduce"] == list(range(units - 1, -1, -1)), r
+        assert r["pending_without"] == [0] * units, r  # the old path: all after backward
+        assert r["bit_identical"], f"differ: {r['differs']}"
