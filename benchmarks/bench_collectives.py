@@ -11,7 +11,12 @@
 
 The physical bound is single-core memcpy bandwidth (one thread, 64 MiB buffers, from DRAM), measured at the
 start and again at the end of the run -- it moves by 2x between runs on this shared VM -- and each
-row at 16 MiB and up shows smddp's bus bandwidth as a share of the lower of the two.
+row at 16 MiB and up shows smddp's bus bandwidth as a share of the lower of the two. The copy floor is
+the time for every rank to copy `size` bytes at once (the transport's own copy routine, non-temporal
+stores), on the same ranks in the same run: an in-place
+AllReduce must at least read and write its buffer once per rank, so it cannot beat that floor (an
+AllGather writes `size` but reads only its shard from its own memory; a ReduceScatter reads `size` but
+writes `size / n`: their floors are a little lower).
 
 SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES (reference 003, default 16 MiB) sends an AllGather whose input is
 larger than it to native. The bus-bandwidth table measures the transport, so the engine is built with a
@@ -62,15 +67,17 @@ def _copy_gbps(nbytes: int, rounds: int) -> float:
 def _time_op(engine, op: str, size: int, group) -> float:  # type: ignore[no-untyped-def]
     import torch.distributed as dist
 
-    from shardpar.collectives import ReduceOp
+    from shardpar.collectives import ReduceOp, shm
 
     n = group.size
     big = torch.randn(size // 4)
     small = torch.randn(size // 4 // n)
+    other = torch.empty_like(big) if op == "copy" else big
     call = {
         "all_gather": lambda: engine.all_gather(big, small, group),
         "reduce_scatter": lambda: engine.reduce_scatter(small, big, group, op=ReduceOp.SUM),
         "all_reduce": lambda: engine.all_reduce(big, group),
+        "copy": lambda: shm.stream_copy(other, big),  # the floor: every rank copies `size` bytes at once
     }[op]
     call()
     iters = max(1, min(50, (16 << 20) // size))
@@ -109,6 +116,7 @@ def bench_rank(engines: list[str], ops: list[str], sizes: list[int], scratch: in
                 )
                 rows.append((name, op, size, seconds, ",".join(grew)))
         getattr(engine, "close", lambda: None)()
+    rows += [("floor", "copy", size, _time_op(None, "copy", size, group), "") for size in sizes]
     return rows
 
 
@@ -182,11 +190,12 @@ def main() -> None:
 def _print_table(world: int, rows: list[Row], memcpy: float) -> None:
     times = {(e, op, s): t for e, op, s, t, _ in rows}
     fell_back = {(e, op, s): why for e, op, s, _, why in rows if why}
-    print("| op | size | gloo (nccl) | smddp | smddp / gloo | smddp / memcpy |")
-    print("|---|---|---|---|---|---|")
+    print("| op | size | gloo (nccl) | smddp | smddp / gloo | smddp / memcpy | smddp time / copy floor |")
+    print("|---|---|---|---|---|---|---|")
     for (engine, op, size), t in times.items():
         if engine != "nccl":
             continue
+        floor = times[("floor", "copy", size)]
         factor = (world - 1) / world * (2 if op == "all_reduce" else 1)
         bus = {e: size / times[(e, op, size)] / 1e9 * factor for e in ENGINES}
         ts = times[("smddp", op, size)]
@@ -196,6 +205,7 @@ def _print_table(world: int, rows: list[Row], memcpy: float) -> None:
             f"| {op} | {_fmt_size(size)} | {bus['nccl']:.3f} ({t * 1e3:.2f} ms) | "
             f"{bus['smddp']:.3f} ({ts * 1e3:.3f} ms){note} | {bus['smddp'] / bus['nccl']:.1f}x | "
             + (f"{bus['smddp'] / memcpy:.0%} |" if size >= 16 << 20 else " |")
+            + f" {ts / floor:.2f} |"
         )
 
 

@@ -101,6 +101,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "shm_comm_barrier": (i, [vp]),
         "shm_reduce": (i, [vp, ctypes.POINTER(vp), i, u64, i, i, i]),
         "shm_best_isa": (i, []),
+        "shm_copy": (None, [vp, vp, u64, i]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -189,6 +190,15 @@ def reduce_kernel(out: torch.Tensor, inputs: list[torch.Tensor], op: str = "sum"
     )
     if status != _OK:
         raise ValueError(f"reduce: kernel {isa!r} is not available on this CPU (best: {best_isa()!r})")
+
+
+def stream_copy(out: torch.Tensor, inp: torch.Tensor, *, non_temporal: bool = True) -> None:
+    """out = inp (same nbytes, no overlap) with the transport's copy routine (for benchmarks: the floor
+    of what a collective's copies can reach on this machine)."""
+    _check_cpu_contiguous("stream_copy", out=out, inp=inp)
+    if _nbytes(out) != _nbytes(inp) or _overlaps(out.data_ptr(), _nbytes(out), inp.data_ptr(), _nbytes(inp)):
+        raise ValueError("stream_copy: out and inp need the same number of bytes and must not overlap")
+    _lib().shm_copy(out.data_ptr(), inp.data_ptr(), _nbytes(out), int(non_temporal))
 
 
 class ShmComm:

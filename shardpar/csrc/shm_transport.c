@@ -647,6 +647,11 @@ SHM_API int shm_best_isa(void) {
     return g_best_isa;
 }
 
+SHM_API void shm_copy(void *dst, const void *src, uint64_t nbytes, int non_temporal) {
+    shm_best_isa(); /* picks the copy routine */
+    copy_bytes(dst, src, (size_t)nbytes, non_temporal);
+}
+
 SHM_API int shm_reduce(void *dst, const void *const *srcs, int nsrc, uint64_t count, int dtype, int op, int isa) {
     if (isa == SHM_ISA_BEST) isa = shm_best_isa();
     if (nsrc < 1 || dtype < 0 || dtype > 2 || (op != SHM_OP_SUM && op != SHM_OP_AVG) || isa < 0 ||

@@ -64,6 +64,11 @@ int shm_reduce(void *dst, const void *const *srcs, int nsrc, uint64_t count, int
 /* The best ISA this CPU supports (SHM_ISA_*), after the SHARDPAR_SHM_ISA override. */
 int shm_best_isa(void);
 
+/* dst = src (nbytes, no overlap) with the transport's own copy routine; non_temporal streams the stores
+ * past the cache as the collectives do for large outputs. For benchmarks: the floor a collective's
+ * copies cannot beat. */
+void shm_copy(void *dst, const void *src, uint64_t nbytes, int non_temporal);
+
 #ifdef __cplusplus
 }
 #endif
