@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import datetime
+import functools
 import io
 import logging
 import os
@@ -84,11 +85,13 @@ def _init_gloo(case: Case) -> Callable[[], None]:
     return _destroy_gloo
 
 
-def setup_shardpar(case: Case) -> tuple[Step, Callable[[], None]]:
+def setup_shardpar(case: Case, *, backend: str = "auto") -> tuple[Step, Callable[[], None]]:
+    """shardpar with its defaults; `backend` = ddp_dist_backend ("auto" is the smddp engine on CPU)."""
     import shardpar as smp
 
     smp.init(
         {
+            "ddp_dist_backend": backend,
             "sharded_data_parallel_degree": case.sdp,
             "bf16": case.dtype == "bf16",
             "sdp_param_persistence_threshold": case.persistence_threshold,
@@ -172,7 +175,13 @@ def setup_plain(case: Case) -> tuple[Step, Callable[[], None]]:
     return _torch_step(model, opt, autocast=case.dtype == "bf16"), teardown
 
 
-SETUPS = {"shardpar": setup_shardpar, "fsdp2": setup_fsdp2, "deepspeed": setup_deepspeed, "plain": setup_plain}
+SETUPS = {
+    "shardpar": setup_shardpar,
+    "fsdp2": setup_fsdp2,
+    "deepspeed": setup_deepspeed,
+    "plain": setup_plain,
+    "shardpar-native": functools.partial(setup_shardpar, backend="nccl"),  # gloo on CPU
+}
 
 
 def _import_framework(framework: str) -> None:
