@@ -229,6 +229,23 @@ def test_reduce_kernels_every_16bit_pattern(dtype: torch.dtype) -> None:
             assert _mismatch(got, want) is None, f"{isa}: {_mismatch(got, want)}"
 
 
+def test_stream_copy_is_exact_at_every_alignment_and_rejects_bad_arguments() -> None:
+    """The benchmarks' copy floor (shm.stream_copy) is the transport's own copy: byte-exact whatever the
+    alignment of either end and the length (vector body, unaligned head and tail), streaming or not."""
+    g = torch.Generator().manual_seed(5)
+    src = torch.randint(0, 256, (70_000,), dtype=torch.uint8, generator=g)
+    for non_temporal in (True, False):
+        for src_off, dst_off, length in [(0, 0, 65_536), (3, 61, 65_536), (1, 0, 4_099), (0, 7, 257), (5, 5, 0)]:
+            dst = torch.zeros(70_000, dtype=torch.uint8)
+            shm.stream_copy(dst[dst_off : dst_off + length], src[src_off : src_off + length], non_temporal=non_temporal)
+            assert torch.equal(dst[dst_off : dst_off + length], src[src_off : src_off + length])
+            assert not dst[:dst_off].any() and not dst[dst_off + length :].any(), "wrote outside the range"
+    with pytest.raises(ValueError, match="same number of bytes"):
+        shm.stream_copy(torch.empty(4), torch.empty(5))
+    with pytest.raises(ValueError, match="must not overlap"):
+        shm.stream_copy(src[:100], src[50:150])
+
+
 def test_single_rank_communicator_and_argument_errors() -> None:
     key = _key()
     with shm.ShmComm(key, 0, 0, 1, timeout_s=5) as comm:
