@@ -6,7 +6,7 @@
 `--mode prefetch` (sdp = world): prefetch depth 0 (gather on demand) against 1 (gather the next unit
 while this one computes); "blocked" = time the hooks waited for AllGathers (`Unit.wait_for_unshard`).
 
-`--mode replication` (sdp 1, plain data parallelism, one bucket per transformer block): the bucket's
+`--mode replication` (sdp 1, plain data parallelism, one bucket per unit, i.e. per block): the bucket's
 replication AllReduce issued as the bucket closes, during backward ([Note: replication in the bucket]),
 against the per-unit AllReduce after backward; "blocked" = time spent at the end of backward
 (`DistributedModel._finish_backward`: waiting for the buckets, the AllReduces not yet done).
@@ -71,8 +71,7 @@ def _rank(mode: str, variant: int, steps: int, hidden: int, layers: int) -> dict
         knobs["sharded_data_parallel_degree"] = world
         undo = _timed(unit_mod.Unit, "wait_for_unshard", blocked)
     else:
-        block = 12 * hidden * hidden + 13 * hidden  # one GPT-NeoX block's elements: one bucket each
-        knobs.update(sharded_data_parallel_degree=1, sdp_reduce_bucket_size=block)
+        knobs.update(sharded_data_parallel_degree=1, sdp_reduce_bucket_size=1)  # a bucket per unit
         undo = _timed(model_mod.DistributedModel, "_finish_backward", blocked)
     smp.init(knobs)
     model = smp.DistributedModel(_neox(hidden, layers))

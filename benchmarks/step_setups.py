@@ -191,7 +191,7 @@ def _import_framework(framework: str) -> None:
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)
-    if framework == "shardpar":
+    if framework.startswith("shardpar"):
         import shardpar  # noqa: F401
     elif framework == "fsdp2":
         import torch.distributed.fsdp  # noqa: F401

@@ -27,7 +27,7 @@ from shardpar.layout import flat_layout
 from shardpar.materialize import Materializer, check_nothing_materialised
 from shardpar.persistent import PersistentParams
 from shardpar.precision import DtypePolicy
-from shardpar.reducer import GradReducer
+from shardpar.reducer import GradReducer, plan_buckets
 from shardpar.schedule import LiveCounter, Scheduler
 from shardpar.topology import Topology
 from shardpar.unit import Unit, UnitComm, UnitState
@@ -98,9 +98,8 @@ class DistributedModel(nn.Module):
             topology.sharding,
             topology.replication,
             self.policy.reduce,
-            config.sdp_reduce_bucket_size,
             self.device,
-            trainable_width=sum(u.layout.shard_numel for u in self.units if u.num_trainable),
+            plan_buckets(self.units, config.sdp_reduce_bucket_size),
         )
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         self._link_dependencies(plans, registered or {})

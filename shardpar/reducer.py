@@ -7,29 +7,42 @@ side -- so ONE ReduceScatter hands each rank exactly its shards of all of them:
     bucket  = [ A0 A0 A0 B0 B0 | A1 A1 A1 B1 B1 ]   (row r = what rank r receives)
     rank 0 <- [A0 A0 A0 B0 B0]  = its main-grad pieces of A and B
 
-A full bucket is issued asynchronously (the engine's thread / NCCL stream runs it while backward
-goes on); the results are added to the fp32 main grads when the bucket is drained -- at the next
-flush or at the end of backward.
+A complete bucket is issued asynchronously (the engine's thread / NCCL stream runs it while backward
+goes on); the results are added to the fp32 main grads when the reducer is drained at the end of
+backward.
+
+[Note: bucket plan]
+Which units share a bucket, and the column range of each, is fixed when the model is built
+(`plan_buckets`): trainable units in reverse order -- the order backward usually finishes them --
+packed up to sdp_reduce_bucket_size elements, a unit bigger than that alone. A bucket is issued once
+every unit of it has arrived, and buckets are issued in plan order. So every rank sends the same
+layout in the same sequence of collectives whatever order its units' gradients arrive in: a unit
+without a gradient on one rank (a branch that rank's data did not take) is packed as zeros at the
+end of backward there and mid-backward elsewhere, and its columns still line up. Packing in arrival
+order instead would let ranks reduce different units' columns into each other, or issue different
+collectives and hang. A unit arriving before its plan position only delays its bucket.
 
 [Note: bucket packing]
-A bucket's [num_shards, width] buffer is allocated when its first unit arrives, as wide as the bucket
-may grow (sdp_reduce_bucket_size / num_shards columns, but no wider than the trainable units still to
-come in this backward), and every unit packs its gradients straight into its column range. With the
-default bucket (the whole model) the buffer is filled exactly and sent as it is. Packing each unit
-into a block of its own and `torch.cat`-ing the blocks at flush cost a second model-sized buffer and
-~85 ms a step at 25M parameters (docs/performance.md, fix 1). A bucket closed before it is full
-(a smaller sdp_reduce_bucket_size) is copied once into a contiguous buffer, as the cat did.
+A bucket's [num_shards, width] buffer is allocated when its first unit arrives, exactly as wide as
+its planned units, and every unit packs its gradients straight into its column range; the full buffer
+is sent as it is. Packing each unit into a block of its own and `torch.cat`-ing the blocks at flush
+cost a second model-sized buffer and ~85 ms a step at 25M parameters (docs/performance.md, fix 1).
 
 [Note: replication in the bucket]
 With sdp 1 (plain data parallelism, reference 001's balanced fusion buffer) a bucket needs no
-ReduceScatter: it IS this rank's reduced shard the moment it closes. In the backward that ends an
-accumulation window the replication AllReduce is therefore issued on the bucket right then,
+ReduceScatter: it IS this rank's reduced shard the moment it is complete. In the backward that ends
+an accumulation window the replication AllReduce is therefore issued on the bucket right then,
 asynchronously, so the AllReduce of early buckets runs while backward computes the rest, instead of
-one AllReduce per unit after backward (`Unit.finish_accumulation`). Each unit first folds what the
-boundary would have reduced into its column range -- earlier micro-steps' main grad + scale x this
-one, rounded once to the reduce dtype (`Unit.fold_main_grad`) -- so the values are bit-identical.
-With sdp > 1 the AllReduce would need the ReduceScatter's result (and, under accumulation, the main
-grad added to it) first, so it stays at the boundary.
+one AllReduce per unit after backward (`Unit.finish_accumulation`). That needs more than one bucket:
+with the default sdp_reduce_bucket_size (5e8, one bucket for most models) the only bucket completes
+at the end of backward. Each unit first folds what the boundary would have reduced into its column
+range -- earlier micro-steps' main grad + scale x this one, rounded once to the reduce dtype
+(`Unit.fold_main_grad`) -- so every element is reduced from the same values. The results are
+bit-identical to the per-unit AllReduce wherever the AllReduce sums each element in an order that
+does not depend on its position in the tensor: 2 replicas, and the smddp engine (rank order); ring
+AllReduces over 3+ replicas (gloo, NCCL) may round differently. With sdp > 1 the AllReduce would
+need the ReduceScatter's result (and, under accumulation, the main grad added to it) first, so it
+stays at the boundary.
 """
 
 from __future__ import annotations
@@ -42,12 +55,46 @@ from shardpar.collectives import CompletedWork, Engine, Group, ReduceOp, Work
 from shardpar.unit import Unit
 
 
+@dataclass(frozen=True)
+class BucketPlan:
+    """The units of one bucket and where their columns start ([Note: bucket plan])."""
+
+    units: tuple[Unit, ...]
+    columns: tuple[int, ...]
+    width: int  # shard elements of all its units: the bucket is [num_shards, width]
+
+    def pieces(self, out: torch.Tensor) -> list[tuple[Unit, torch.Tensor]]:
+        """Each unit with its column range of `out`, this rank's reduced row of the bucket."""
+        return [(u, out[c : c + u.layout.shard_numel]) for u, c in zip(self.units, self.columns, strict=True)]
+
+
+def plan_buckets(units: list[Unit], bucket_size: int) -> list[BucketPlan]:
+    """Trainable units in reverse order, packed into buckets of at most `bucket_size` elements; a unit
+    bigger than that goes alone."""
+    groups: list[list[Unit]] = [[]]
+    numel = 0
+    for unit in reversed(units):
+        if not unit.num_trainable:
+            continue
+        if groups[-1] and numel + unit.layout.padded_numel > bucket_size:
+            groups.append([])
+            numel = 0
+        groups[-1].append(unit)
+        numel += unit.layout.padded_numel
+    plans = []
+    for group in filter(None, groups):
+        widths = [u.layout.shard_numel for u in group]
+        columns = tuple(sum(widths[:i]) for i in range(len(group)))
+        plans.append(BucketPlan(tuple(group), columns, sum(widths)))
+    return plans
+
+
 @dataclass
 class _Inflight:
     work: Work
-    units: list[Unit]
+    plan: BucketPlan
     out: torch.Tensor
-    replicated: bool = False  # `out` holds final main grads, AllReduced over the replication group
+    replicated: bool  # `out` holds final main grads, AllReduced over the replication group
 
 
 @dataclass
@@ -56,21 +103,22 @@ class GradReducer:
     sharding: Group
     replication: Group
     reduce_dtype: torch.dtype
-    bucket_size: int
     device: torch.device
-    # Columns (shard elements) of every trainable unit: what one backward reduces in all.
-    trainable_width: int = 0
-    _pending: list[Unit] = field(default_factory=list)
-    _pending_numel: int = 0
-    _buffer: torch.Tensor | None = None  # the open bucket, [num_shards, capacity]
-    _used: int = 0  # columns of _buffer filled so far
-    _to_come: int = 0  # trainable columns not yet added in this backward
+    plans: list[BucketPlan]
+    _where: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(unit) -> (bucket, column)
+    _buffers: list[torch.Tensor | None] = field(default_factory=list)  # [num_shards, width] once started
+    _arrived: list[int] = field(default_factory=list)  # units packed into each bucket in this backward
+    _next: int = 0  # the next bucket to issue, in plan order
     _inflight: list[_Inflight] = field(default_factory=list)
-    # Set by begin_backward: fold and AllReduce each bucket at flush ([Note: replication in the bucket]).
+    # Set by begin_backward: fold and AllReduce each bucket as it is issued ([Note: replication in the bucket]).
     _replicate_scale: float | None = None
 
     def __post_init__(self) -> None:
-        self._to_come = self.trainable_width
+        for b, plan in enumerate(self.plans):
+            for unit, column in zip(plan.units, plan.columns, strict=True):
+                self._where[id(unit)] = (b, column)
+        self._buffers = [None] * len(self.plans)
+        self._arrived = [0] * len(self.plans)
 
     def begin_backward(self, *, boundary: bool, scale: float) -> None:
         """Called as each backward starts; `boundary` = it ends an accumulation window, `scale` = the
@@ -84,65 +132,56 @@ class GradReducer:
         return self._replicate_scale is not None
 
     def add(self, unit: Unit) -> None:
-        """Take the unit's grads (freeing them) into the open bucket; issue it once full. A unit that
-        would overflow a non-empty bucket starts the next one, so a bucket holds at most bucket_size
-        elements unless a single unit is bigger than that (then it goes alone)."""
-        n, width = unit.layout.num_shards, unit.layout.shard_numel
-        if self._pending and self._pending_numel + unit.layout.padded_numel > self.bucket_size:
-            self.flush()
-        if self._buffer is not None and self._used + width > self._buffer.shape[1]:
-            self.flush()  # more units than trainable_width promised: never write past the buffer
-        if self._buffer is None:
-            capacity = max(width, min(self.bucket_size // n, self._to_come))
-            self._buffer = torch.empty(n, capacity, dtype=self.reduce_dtype, device=self.device)
-        unit.pack_grads(self._buffer[:, self._used : self._used + width])
-        self._used += width
-        self._to_come = max(0, self._to_come - width)
-        self._pending.append(unit)
-        self._pending_numel += unit.layout.padded_numel
+        """Take the unit's grads (freeing them) into its bucket; issue every bucket that is complete
+        and next in plan order."""
+        if id(unit) not in self._where:
+            raise AssertionError(
+                f"unit {unit.name} has no place in the bucket plan (trainable when the model was built?)"
+            )
+        b, column = self._where[id(unit)]
+        buffer = self._buffers[b]
+        if buffer is None:
+            buffer = torch.empty(
+                unit.layout.num_shards, self.plans[b].width, dtype=self.reduce_dtype, device=self.device
+            )
+            self._buffers[b] = buffer
+        unit.pack_grads(buffer[:, column : column + unit.layout.shard_numel])
         unit.reduced = True
-        if self._pending_numel >= self.bucket_size:
-            self.flush()
+        self._arrived[b] += 1
+        while self._next < len(self.plans) and self._arrived[self._next] == len(self.plans[self._next].units):
+            self._issue(self._next)
+            self._next += 1
 
-    def flush(self) -> None:
-        """Issue the open bucket's ReduceScatter asynchronously."""
-        if not self._pending or self._buffer is None:
-            return
-        bucket = self._buffer if self._used == self._buffer.shape[1] else self._buffer[:, : self._used].contiguous()
+    def _issue(self, b: int) -> None:
+        """Start bucket b's collective asynchronously: ReduceScatter, or at sdp 1 the replication
+        AllReduce in a boundary backward, or nothing (sdp 1: the bucket is the reduced shard)."""
+        bucket, plan = self._buffers[b], self.plans[b]
+        if bucket is None:
+            raise AssertionError(f"bucket {b} is complete but has no buffer")
+        self._buffers[b], self._arrived[b] = None, 0
         work: Work = CompletedWork()
-        if self._replicate_scale is not None:
-            out = bucket.reshape(-1)  # sdp 1: the bucket (a fresh buffer, one row) is the reduced shard
-            self._fold(out, self._replicate_scale)
-            work = self.engine.all_reduce(out, self.replication, op=ReduceOp.AVG, async_op=True)
-        elif self.sharding.size == 1:
-            out = bucket.reshape(-1)
+        if self.sharding.size == 1:
+            out = bucket.reshape(-1)  # one row: this rank's reduced shard already
+            if self._replicate_scale is not None:
+                for unit, piece in plan.pieces(out):
+                    unit.fold_main_grad(piece, scale=self._replicate_scale)
+                work = self.engine.all_reduce(out, self.replication, op=ReduceOp.AVG, async_op=True)
         else:
-            out = torch.empty(bucket.shape[1], dtype=self.reduce_dtype, device=self.device)
+            out = torch.empty(plan.width, dtype=self.reduce_dtype, device=self.device)
             work = self.engine.reduce_scatter(out, bucket.reshape(-1), self.sharding, op=ReduceOp.AVG, async_op=True)
-        self._inflight.append(_Inflight(work, self._pending, out, replicated=self._replicate_scale is not None))
-        self._pending, self._pending_numel, self._buffer, self._used = [], 0, None, 0
-
-    def _fold(self, out: torch.Tensor, scale: float) -> None:
-        for unit, piece in self._unit_pieces(self._pending, out):
-            unit.fold_main_grad(piece, scale=scale)
-
-    @staticmethod
-    def _unit_pieces(units: list[Unit], out: torch.Tensor) -> list[tuple[Unit, torch.Tensor]]:
-        pieces, col = [], 0
-        for unit in units:
-            width = unit.layout.shard_numel
-            pieces.append((unit, out[col : col + width]))
-            col += width
-        return pieces
+        self._inflight.append(_Inflight(work, plan, out, replicated=self._replicate_scale is not None))
 
     def drain(self, *, scale: float = 1.0) -> None:
-        """Flush, wait for every bucket, and add the reduced shards, times `scale`, into the units'
-        main grads (see [Note: micro-batch averaging] in model.py)."""
-        self.flush()
-        self._to_come = self.trainable_width  # the next backward starts with every unit to come
+        """At the end of backward, once every trainable unit was added: wait for every bucket, then add
+        its reduced shards, times `scale`, into the units' main grads (see [Note: micro-batch
+        averaging] in model.py), or adopt them where the bucket already carried the replication."""
+        if self._next != len(self.plans):
+            missing = [u.name for b in range(self._next, len(self.plans)) for u in self.plans[b].units if not u.reduced]
+            raise AssertionError(f"backward ended with units not added to the reducer: {missing}")
+        self._next = 0
         for item in self._inflight:
             item.work.wait()
-            for unit, piece in self._unit_pieces(item.units, item.out):
+            for unit, piece in item.plan.pieces(item.out):
                 if item.replicated:
                     unit.adopt_main_grad(piece)
                 else:

@@ -250,7 +250,7 @@ class Unit:
         `accumulate_main_grad(reduced, scale)`, rounded once to the reduce dtype -- without keeping
         an fp32 copy ([Note: replication in the bucket] in reducer.py)."""
         if self.main_grad is not None:
-            reduced.copy_(torch.add(self.main_grad, reduced, alpha=scale))
+            torch.add(self.main_grad, reduced, alpha=scale, out=reduced)  # computed in fp32, rounded once
         elif scale != 1.0:  # a window of one backward has scale 1; kept for exactness, not speed
             reduced.copy_(reduced.float().mul_(scale))
 

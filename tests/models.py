@@ -107,7 +107,8 @@ def train_lm_side_by_side(
 
 class BranchyMLP(UnevenMLP):
     """UnevenMLP whose forward may skip a block or run the blocks in reverse: the unit order changes
-    between steps (what eval, generate or data-dependent branches do to a prefetch trace)."""
+    between steps (what eval, generate or data-dependent branches do to a prefetch trace). Mode 3 runs
+    every block but detaches block 1's output, so block 1 gets no gradient."""
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, mode: int = 0) -> torch.Tensor:  # type: ignore[override]
         h = self.inp(x)
@@ -116,6 +117,6 @@ class BranchyMLP(UnevenMLP):
             blocks = blocks[:1] + blocks[2:]  # skip block 1
         elif mode == 2:
             blocks = blocks[::-1]
-        for b in blocks:
-            h = b(h)
+        for i, b in enumerate(blocks):
+            h = h + 0.0 * b(h).detach() if mode == 3 and i == 1 else b(h)
         return nn.functional.cross_entropy(self.head(h) * self.temperature, y)

@@ -170,7 +170,8 @@ def replication_overlap_case(knobs: dict[str, Any], accumulate: bool) -> dict[st
             {**SHARD, **knobs, "sharded_data_parallel_degree": 1, "sdp_reduce_bucket_size": 1, "microbatches": micro}
         )
         try:
-            runs[overlap] = _overlap_run(overlap, torch.bfloat16 if knobs.get("bf16") else torch.float32, micro)
+            dtype = torch.bfloat16 if knobs.get("bf16") else torch.float16 if knobs.get("fp16") else torch.float32
+            runs[overlap] = _overlap_run(overlap, dtype, micro)
         finally:
             smp.shutdown()
     same = {k: torch.equal(v, runs[False]["params"][k]) for k, v in runs[True]["params"].items()}
@@ -220,3 +221,43 @@ def _overlap_run(overlap: bool, dtype: torch.dtype, micro: int) -> dict[str, Any
         "pending": list(pending),
         "trainable_units": sum(1 for u in model.units if u.num_trainable),
     }
+
+
+def rank_dependent_branch_case(layouts: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
+    """On rank 1 blocks.1 gets no gradient (BranchyMLP `mode`: 1 skips the block, 3 runs it detached),
+    so that unit is packed (as zeros) at the end of backward on rank 1 but mid-backward on rank 0
+    ([Note: bucket plan]). Per (sdp, bucket size, mode): max abs diff against one process running
+    every rank's micro-batch (plain SGD: the check is about which gradients get averaged together)."""
+    return [_branch_run(sdp, bucket, mode) for sdp, bucket, mode in layouts]
+
+
+def _branch_run(sdp: int, bucket: int, mode: int) -> dict[str, Any]:
+    knobs = {"sharded_data_parallel_degree": sdp, "sdp_reduce_bucket_size": bucket, "sdp_gradient_clipping": 0.0}
+    smp.init({**SHARD, **knobs})
+    try:
+        torch.manual_seed(0)
+        model = smp.DistributedModel(models.BranchyMLP())
+        opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+        torch.manual_seed(0)
+        ref = models.BranchyMLP()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        rank, world = smp.rank(), smp.size()
+        modes = [mode if r == 1 else 0 for r in range(world)]
+        for step in range(3):
+            batches = [models.mlp_batch(100 * step + r, 4) for r in range(world)]
+            model.backward(model(**batches[rank], mode=modes[rank]))
+            opt.step()
+            opt.zero_grad()
+            (sum(ref(**b, mode=m) for b, m in zip(batches, modes, strict=True)) / world).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        ours, theirs = model.state_dict(), ref.state_dict()
+        return {
+            "sdp": sdp,
+            "bucket": bucket,
+            "mode": mode,
+            "param": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+            "buckets": len(model.reducer.plans),
+        }
+    finally:
+        smp.shutdown()

@@ -79,10 +79,20 @@ def test_prefetch_adapts_to_order_changes(ranks) -> None:
         assert r["live_after"] == 0.0
 
 
+NATIVE = {"ddp_dist_backend": "nccl"}  # gloo here; the default ("auto") is the smddp engine
+BF16_REDUCE = {"bf16": True, "sdp_reduce_dtype": "bf16"}
+
+
 @pytest.mark.parametrize(
     ("knobs", "accumulate"),
-    [({}, True), ({"bf16": True}, True), ({"ddp_dist_backend": "smddp"}, True), ({"bf16": True}, False)],
-    ids=["fp32-native-accum", "bf16-native-accum", "fp32-smddp-accum", "bf16-native"],
+    [
+        (NATIVE, True),
+        ({**NATIVE, **BF16_REDUCE}, True),
+        (BF16_REDUCE, True),
+        ({"fp16": True, "sdp_reduce_dtype": "fp16"}, False),
+        ({"bf16": True}, False),
+    ],
+    ids=["fp32-native-accum", "bf16reduce-native-accum", "bf16reduce-smddp-accum", "fp16reduce-smddp", "bf16-smddp"],
 )
 def test_sdp1_replication_allreduce_overlaps_backward_bit_identically(ranks, knobs, accumulate) -> None:
     """Issue 7 item 3: at sdp 1 the bucket's AllReduce is issued while backward still has units to
@@ -93,3 +103,17 @@ def test_sdp1_replication_allreduce_overlaps_backward_bit_identically(ranks, kno
         assert r["pending_at_allreduce"] == list(range(units - 1, -1, -1)), r
         assert r["pending_without"] == [0] * units, r  # the old path: all after backward
         assert r["bit_identical"], f"differ: {r['differs']}"
+
+
+def test_units_without_grads_on_one_rank_still_line_up(ranks) -> None:
+    """sdp 1 (plain data parallelism, like DDP's unused parameters): a unit that gets no gradient on one
+    rank -- its forward skipped, or run with its output detached -- is reduced against the same unit
+    of the other rank, with one bucket or one per unit; parameters match one process running every
+    rank's batch. Buckets packed in arrival order failed this: 0.18 off with one bucket, mismatched
+    collectives with one per unit. (With sdp > 1 every rank of a sharding group must run the same
+    units forward and backward, as with FSDP: a skipped unit's AllGather would be missing on one rank;
+    the smddp engine then fails every rank with "called a different collective".)"""
+    layouts = [(1, int(5e8), 1), (1, 1, 1), (1, int(5e8), 3), (1, 1, 3)]
+    for r in ranks.run(2, cases.rank_dependent_branch_case, layouts)[0]:
+        assert r["buckets"] == (1 if r["bucket"] > 1 else 4), r
+        assert r["param"] <= 1e-6, r
