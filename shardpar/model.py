@@ -207,6 +207,10 @@ class DistributedModel(nn.Module):
             # A backward that raised never ran its end callback; a new forward starts clean.
             self._finalize_queued_for = None
             self.scheduler.begin_forward()
+            if torch.is_grad_enabled():
+                for unit in self.units:
+                    unit.drop_stale_grads()
+                self.persistent.drop_stale_grads()
 
     def _register_pre_backward(self, unit: Unit, output: Any) -> None:
         def on_grad(grad: torch.Tensor) -> None:

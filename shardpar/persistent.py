@@ -59,6 +59,12 @@ class PersistentParams:
         p, off = self.params[i], self.offsets[i]
         return self.main_grad[off : off + p.numel()].view(p.shape)
 
+    def drop_stale_grads(self) -> None:
+        """Before a training forward: collect_grads frees every .grad it takes, so one here is left over
+        from a backward that raised, and autograd would add the next backward's gradient to it."""
+        for p in self.params:
+            p.grad = None
+
     def collect_grads(self, *, scale: float = 1.0) -> None:
         """End of a backward: add the autograd grads times `scale` into the fp32 main grad (summing
         micro-steps; see [Note: micro-batch averaging] in model.py)."""

@@ -20,7 +20,10 @@ layout in the same sequence of collectives whatever order its units' gradients a
 without a gradient on one rank (a branch that rank's data did not take) is packed as zeros at the
 end of backward there and mid-backward elsewhere, and its columns still line up. Packing in arrival
 order instead would let ranks reduce different units' columns into each other, or issue different
-collectives and hang. A unit arriving before its plan position only delays its bucket.
+collectives and hang. The price: a unit that finishes later than its plan position (a loss taken
+from an intermediate output, a weight shared with a later unit) holds back the buckets after it,
+whose buffers then wait, allocated, until it arrives. Units with frozen parameters, which are only
+added at the end of backward, are planned last for that reason.
 
 [Note: bucket packing]
 A bucket's [num_shards, width] buffer is allocated when its first unit arrives, exactly as wide as
@@ -70,12 +73,12 @@ class BucketPlan:
 
 def plan_buckets(units: list[Unit], bucket_size: int) -> list[BucketPlan]:
     """Trainable units in reverse order, packed into buckets of at most `bucket_size` elements; a unit
-    bigger than that goes alone."""
+    bigger than that goes alone. Units with frozen parameters come last: they are only added at the end
+    of backward (model.py), and planned earlier they would hold back every bucket after them."""
+    trainable = [u for u in reversed(units) if u.num_trainable]
     groups: list[list[Unit]] = [[]]
     numel = 0
-    for unit in reversed(units):
-        if not unit.num_trainable:
-            continue
+    for unit in [u for u in trainable if not u.has_frozen] + [u for u in trainable if u.has_frozen]:
         if groups[-1] and numel + unit.layout.padded_numel > bucket_size:
             groups.append([])
             numel = 0
@@ -122,9 +125,18 @@ class GradReducer:
 
     def begin_backward(self, *, boundary: bool, scale: float) -> None:
         """Called as each backward starts; `boundary` = it ends an accumulation window, `scale` = the
-        factor its gradients enter the main grads with ([Note: micro-batch averaging] in model.py)."""
+        factor its gradients enter the main grads with ([Note: micro-batch averaging] in model.py).
+
+        Starts from an empty reducer: a backward that raised half-way never drained, and its half-filled
+        buckets and issued collectives must not leak into this one. Those collectives are dropped, not
+        waited for (their tensors stay alive as long as the engine uses them); if the ranks did not
+        all raise at the same point, the collectives they go on with no longer match, which the smddp
+        engine reports and a native one may not -- restart the step on every rank."""
         fold = boundary and self.sharding.size == 1 and self.replication.size > 1
         self._replicate_scale = scale if fold else None
+        self._next, self._inflight = 0, []
+        self._arrived = [0] * len(self.plans)
+        self._buffers = [None] * len(self.plans)
 
     @property
     def replicates(self) -> bool:

@@ -274,6 +274,13 @@ class Unit:
         self.grads_arrived = 0
         self.reduced = False
 
+    def drop_stale_grads(self) -> None:
+        """Before a training forward: pack_grads frees every .grad it takes, so one here is left over
+        from a backward that raised before this unit was reduced, and autograd would add the next
+        backward's gradient to it."""
+        for p in self.params:
+            p.grad = None
+
     # ---- full values -------------------------------------------------------------------------
 
     def full_params(self) -> dict[str, torch.Tensor]:

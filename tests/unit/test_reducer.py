@@ -1,0 +1,76 @@
+"""The gradient reducer's bucket plan ([Note: bucket plan] in shardpar/reducer.py), in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import shardpar as smp
+from shardpar.reducer import plan_buckets
+from tests import models
+
+LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def one_bucket_per_unit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    smp.init({"sdp_param_persistence_threshold": 10, "sdp_reduce_bucket_size": 1, "sdp_gradient_clipping": 0.0})
+    try:
+        yield
+    finally:
+        smp.shutdown()
+
+
+def test_plan_is_reverse_unit_order_with_partly_frozen_units_last(one_bucket_per_unit: None) -> None:
+    torch.manual_seed(0)
+    module = models.UnevenMLP()
+    module.blocks[0].up.weight.requires_grad_(False)
+    model = smp.DistributedModel(module)
+    order = [u.name for plan in model.reducer.plans for u in plan.units]
+    assert order == ["blocks.2", "blocks.1", "<root>", "blocks.0"], order
+    # a bucket as large as the two biggest units holds two of them; never more than the size
+    sizes = {u.name: u.layout.padded_numel for u in model.units}
+    pair = plan_buckets(model.units, sizes["blocks.2"] + sizes["blocks.1"])
+    assert [u.name for u in pair[0].units] == ["blocks.2", "blocks.1"]
+    for p in pair:
+        assert p.width == sum(u.layout.shard_numel for u in p.units)
+        assert list(p.columns) == [sum(u.layout.shard_numel for u in p.units[:i]) for i in range(len(p.units))]
+
+
+def test_a_backward_that_raised_does_not_leak_into_the_next(one_bucket_per_unit: None) -> None:
+    """blocks.2 and blocks.1 are reduced, then the backward raises before blocks.0: the next steps must
+    train exactly as if the failed one never happened (plain SGD against a plain PyTorch copy)."""
+    torch.manual_seed(0)
+    model = smp.DistributedModel(models.UnevenMLP())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    torch.manual_seed(0)
+    ref = models.UnevenMLP()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+
+    def boom(grad: torch.Tensor) -> None:
+        raise RuntimeError("injected failure in backward")
+
+    def arm(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+        out.register_hook(boom)
+
+    hook = model.module.blocks[0].register_forward_hook(arm)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        model.backward(model(**models.mlp_batch(99, 4)))
+    hook.remove()
+    assert any(u.reduced for u in model.units), "the failure came too early to test anything"
+    opt.zero_grad()
+    for step in range(2):
+        batch = models.mlp_batch(step, 4)
+        model.backward(model(**batch))
+        opt.step()
+        opt.zero_grad()
+        ref(**batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ours, theirs = model.state_dict(), ref.state_dict()
+    worst = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+    assert worst <= 1e-6, f"parameters {worst:.2e} off the reference after a failed backward"
