@@ -101,6 +101,24 @@ def train_lm_side_by_side(
         ref(**batch).loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
+    return max_param_diff(model, ref)
+
+
+def sgd_twins(build: Any, lr: float = 0.5) -> tuple[Any, Any, nn.Module, torch.optim.Optimizer]:
+    """The same model twice from seed 0 -- smp.DistributedModel with a DistributedOptimizer, and plain
+    PyTorch -- both under SGD, which is linear in the gradient: a parity check about which gradients
+    get summed with which, free of Adam's conditioning."""
+    import shardpar as smp
+
+    torch.manual_seed(0)
+    model = smp.DistributedModel(build())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
+    torch.manual_seed(0)
+    ref = build()
+    return model, opt, ref, torch.optim.SGD(ref.parameters(), lr=lr)
+
+
+def max_param_diff(model: Any, ref: nn.Module) -> float:
     ours, theirs = model.state_dict(), ref.state_dict()
     return max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
 

@@ -235,12 +235,7 @@ def _branch_run(sdp: int, bucket: int, mode: int) -> dict[str, Any]:
     knobs = {"sharded_data_parallel_degree": sdp, "sdp_reduce_bucket_size": bucket, "sdp_gradient_clipping": 0.0}
     smp.init({**SHARD, **knobs})
     try:
-        torch.manual_seed(0)
-        model = smp.DistributedModel(models.BranchyMLP())
-        opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
-        torch.manual_seed(0)
-        ref = models.BranchyMLP()
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        model, opt, ref, ref_opt = models.sgd_twins(models.BranchyMLP)
         rank, world = smp.rank(), smp.size()
         modes = [mode if r == 1 else 0 for r in range(world)]
         for step in range(3):
@@ -251,12 +246,11 @@ def _branch_run(sdp: int, bucket: int, mode: int) -> dict[str, Any]:
             (sum(ref(**b, mode=m) for b, m in zip(batches, modes, strict=True)) / world).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-        ours, theirs = model.state_dict(), ref.state_dict()
         return {
             "sdp": sdp,
             "bucket": bucket,
             "mode": mode,
-            "param": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+            "param": models.max_param_diff(model, ref),
             "buckets": len(model.reducer.plans),
         }
     finally:

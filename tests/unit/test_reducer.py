@@ -44,12 +44,7 @@ def test_plan_is_reverse_unit_order_with_partly_frozen_units_last(one_bucket_per
 def test_a_backward_that_raised_does_not_leak_into_the_next(one_bucket_per_unit: None) -> None:
     """blocks.2 and blocks.1 are reduced, then the backward raises before blocks.0: the next steps must
     train exactly as if the failed one never happened (plain SGD against a plain PyTorch copy)."""
-    torch.manual_seed(0)
-    model = smp.DistributedModel(models.UnevenMLP())
-    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
-    torch.manual_seed(0)
-    ref = models.UnevenMLP()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    model, opt, ref, ref_opt = models.sgd_twins(models.UnevenMLP)
 
     def boom(grad: torch.Tensor) -> None:
         raise RuntimeError("injected failure in backward")
@@ -71,6 +66,5 @@ def test_a_backward_that_raised_does_not_leak_into_the_next(one_bucket_per_unit:
         ref(**batch).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    ours, theirs = model.state_dict(), ref.state_dict()
-    worst = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+    worst = models.max_param_diff(model, ref)
     assert worst <= 1e-6, f"parameters {worst:.2e} off the reference after a failed backward"
