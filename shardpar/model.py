@@ -204,13 +204,14 @@ class DistributedModel(nn.Module):
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():
-            # A backward that raised never ran its end callback; a new forward starts clean.
-            self._finalize_queued_for = None
-            self.scheduler.begin_forward()
-            if torch.is_grad_enabled():
+            if self._finalize_queued_for is not None:
+                # A backward that raised never ran its end callback; a new forward starts clean,
+                # without the .grad it left on parameters it had not reduced yet.
+                self._finalize_queued_for = None
                 for unit in self.units:
                     unit.drop_stale_grads()
                 self.persistent.drop_stale_grads()
+            self.scheduler.begin_forward()
 
     def _register_pre_backward(self, unit: Unit, output: Any) -> None:
         def on_grad(grad: torch.Tensor) -> None:

@@ -60,7 +60,7 @@ class PersistentParams:
         return self.main_grad[off : off + p.numel()].view(p.shape)
 
     def drop_stale_grads(self) -> None:
-        """Before a training forward: collect_grads frees every .grad it takes, so one here is left over
+        """After a backward that raised: collect_grads frees every .grad it takes, so one here is left over
         from a backward that raised, and autograd would add the next backward's gradient to it."""
         for p in self.params:
             p.grad = None

@@ -75,10 +75,10 @@ def plan_buckets(units: list[Unit], bucket_size: int) -> list[BucketPlan]:
     """Trainable units in reverse order, packed into buckets of at most `bucket_size` elements; a unit
     bigger than that goes alone. Units with frozen parameters come last: they are only added at the end
     of backward (model.py), and planned earlier they would hold back every bucket after them."""
-    trainable = [u for u in reversed(units) if u.num_trainable]
     groups: list[list[Unit]] = [[]]
     numel = 0
-    for unit in [u for u in trainable if not u.has_frozen] + [u for u in trainable if u.has_frozen]:
+    trainable = [u for u in reversed(units) if u.num_trainable]
+    for unit in sorted(trainable, key=lambda u: u.has_frozen):  # stable: reverse order within each kind
         if groups[-1] and numel + unit.layout.padded_numel > bucket_size:
             groups.append([])
             numel = 0
@@ -120,8 +120,12 @@ class GradReducer:
         for b, plan in enumerate(self.plans):
             for unit, column in zip(plan.units, plan.columns, strict=True):
                 self._where[id(unit)] = (b, column)
-        self._buffers = [None] * len(self.plans)
+        self._clear()
+
+    def _clear(self) -> None:
+        self._next, self._inflight = 0, []
         self._arrived = [0] * len(self.plans)
+        self._buffers = [None] * len(self.plans)
 
     def begin_backward(self, *, boundary: bool, scale: float) -> None:
         """Called as each backward starts; `boundary` = it ends an accumulation window, `scale` = the
@@ -134,9 +138,7 @@ class GradReducer:
         engine reports and a native one may not -- restart the step on every rank."""
         fold = boundary and self.sharding.size == 1 and self.replication.size > 1
         self._replicate_scale = scale if fold else None
-        self._next, self._inflight = 0, []
-        self._arrived = [0] * len(self.plans)
-        self._buffers = [None] * len(self.plans)
+        self._clear()
 
     @property
     def replicates(self) -> bool:
@@ -170,7 +172,7 @@ class GradReducer:
         bucket, plan = self._buffers[b], self.plans[b]
         if bucket is None:
             raise AssertionError(f"bucket {b} is complete but has no buffer")
-        self._buffers[b], self._arrived[b] = None, 0
+        self._buffers[b] = None  # the engine keeps it alive while it needs it
         work: Work = CompletedWork()
         if self.sharding.size == 1:
             out = bucket.reshape(-1)  # one row: this rank's reduced shard already
@@ -190,7 +192,6 @@ class GradReducer:
         if self._next != len(self.plans):
             missing = [u.name for b in range(self._next, len(self.plans)) for u in self.plans[b].units if not u.reduced]
             raise AssertionError(f"backward ended with units not added to the reducer: {missing}")
-        self._next = 0
         for item in self._inflight:
             item.work.wait()
             for unit, piece in item.plan.pieces(item.out):

@@ -275,7 +275,7 @@ class Unit:
         self.reduced = False
 
     def drop_stale_grads(self) -> None:
-        """Before a training forward: pack_grads frees every .grad it takes, so one here is left over
+        """After a backward that raised: pack_grads frees every .grad it takes, so one here is left over
         from a backward that raised before this unit was reduced, and autograd would add the next
         backward's gradient to it."""
         for p in self.params:

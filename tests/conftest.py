@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -19,16 +21,22 @@ def ranks() -> Iterator[PoolCache]:
     cache.close()
 
 
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+@contextlib.contextmanager
+def init_world_of_one(monkeypatch: pytest.MonkeyPatch, **knobs: Any) -> Iterator[None]:
     """smp.init() in this test's process as a world of one (no launcher variables), shut down after."""
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    smp.init({"sdp_param_persistence_threshold": 10})
+    smp.init({"sdp_param_persistence_threshold": 10, **knobs})
     try:
         yield
     finally:
         smp.shutdown()
+
+
+@pytest.fixture
+def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with init_world_of_one(monkeypatch):
+        yield
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -180,9 +180,12 @@ def register_parameter_case() -> dict[str, Any]:
         ref_norms.append(float(nn.utils.clip_grad_norm_(ref.parameters(), REGISTER_CLIP)))  # pre-clip norm
         ref_opt.step()
         ref_opt.zero_grad()
-    ours, theirs = model.state_dict(), ref.state_dict()
-    diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
-    return {"param": diff, "ref_norms": ref_norms, "our_norms": our_norms, "clip": REGISTER_CLIP}
+    return {
+        "param": models.max_param_diff(model, ref),
+        "ref_norms": ref_norms,
+        "our_norms": our_norms,
+        "clip": REGISTER_CLIP,
+    }
 
 
 def smp_world() -> int:
@@ -242,11 +245,10 @@ def step_microbatches_case(microbatches: int, *, plain_backward: bool = False) -
                     "reduce_sum": (out.reduce_sum() - mine.view(microbatches, -1).sum(0)).abs().max().item(),
                 }
             )
-    ours, theirs = model.state_dict(), ref.state_dict()
     return {
         "losses": losses,
         "reductions": reductions,
-        "param": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+        "param": models.max_param_diff(model, ref),
     }
 
 
@@ -283,11 +285,10 @@ def zero_grad_keep_case() -> dict[str, Any]:
         opt.zero_grad(set_to_none=False)
         ref_opt.zero_grad(set_to_none=False)
         kept.append(_zero_grads_kept(model) and all(p.grad is not None and not p.grad.any() for p in ref.parameters()))
-    ours, theirs = model.state_dict(), ref.state_dict()
     return {
         "kept": kept,
         "block1_stepped": block1,
-        "param": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+        "param": models.max_param_diff(model, ref),
     }
 
 

@@ -89,8 +89,7 @@ def run_parity(
             ref_opt.zero_grad()
             ref_sched.step()
             loss_diff = max(loss_diff, abs(dist_loss - ref_total))
-        ours, theirs = model.state_dict(), ref.state_dict()
-        param_diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+        param_diff = models.max_param_diff(model, ref)
         return {
             "loss": loss_diff,
             "param": param_diff,

@@ -150,10 +150,9 @@ def order_change_case() -> dict[str, float]:
             model(**local, mode=(mode + 1) % 3)
             model.train()
         loss_diff = max(loss_diff, abs(sum(smp.allgather(loss.item())) / world - ref_loss.item()))
-    ours, theirs = model.state_dict(), ref.state_dict()
     return {
         "loss": loss_diff,
-        "param": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+        "param": models.max_param_diff(model, ref),
         "live_after": float(model.live.live),
     }
 

@@ -10,19 +10,13 @@ import torch
 import shardpar as smp
 from shardpar.reducer import plan_buckets
 from tests import models
-
-LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from tests.conftest import init_world_of_one
 
 
 @pytest.fixture
 def one_bucket_per_unit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in LAUNCHER_VARS:
-        monkeypatch.delenv(var, raising=False)
-    smp.init({"sdp_param_persistence_threshold": 10, "sdp_reduce_bucket_size": 1, "sdp_gradient_clipping": 0.0})
-    try:
+    with init_world_of_one(monkeypatch, sdp_reduce_bucket_size=1, sdp_gradient_clipping=0.0):
         yield
-    finally:
-        smp.shutdown()
 
 
 def test_plan_is_reverse_unit_order_with_partly_frozen_units_last(one_bucket_per_unit: None) -> None:
