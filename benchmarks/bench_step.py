@@ -87,6 +87,8 @@ class Run:
     growth_mib: list[float]
     shm_mib: list[float]  # per rank: shared memory (transport segments) in RSS after the steps
     loss: float  # mean over ranks, last step
+    cpu_ms: list[float]  # per step: CPU time of all ranks (all their threads), less sensitive to load
+    faults: list[int]  # per step: minor page faults of all ranks
 
     @property
     def quiet(self) -> bool:
@@ -245,6 +247,8 @@ def _record(res: Result, ranks: list[dict[str, Any]]) -> Run:
         growth_mib=[r["peak"] - r["baseline"] for r in ranks],
         shm_mib=[r["shm"] for r in ranks],
         loss=statistics.fmean(r["loss"] for r in ranks),
+        cpu_ms=[sum(r["cpu"][i] for r in ranks) * 1e3 for i in steps],
+        faults=[sum(r["faults"][i] for r in ranks) for i in steps],
     )
     res.runs.append(run)
     return run
@@ -266,6 +270,7 @@ def _run_case(res: Result, rep: int, args: argparse.Namespace) -> None:
     print(
         f"{label}: median {statistics.median(run.step_ms):7.1f} ms  others {run.others:4.0%}"
         f"{'' if run.quiet else ' (noisy)'}  peak RSS {max(run.peak_mib):5.0f} MiB  loss {run.loss:.4f}"
+        f"  cpu {statistics.median(run.cpu_ms):6.0f} ms  faults {statistics.median(run.faults) / 1e3:5.1f} k"
         f"  ({time.monotonic() - t0:.0f} s)",
         flush=True,
     )

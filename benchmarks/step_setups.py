@@ -223,6 +223,12 @@ def _shm_rss_mib() -> float:
     return kib / 1024
 
 
+def _minor_faults() -> int:
+    """Page faults served without I/O so far: a fresh buffer faults once per 4 KiB page it touches,
+    which costs more than the copy itself on this VM (docs/performance.md, items 6 and 7)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
@@ -242,13 +248,14 @@ def run_rank(case: Case, rank: int) -> dict[str, Any]:
     baseline = _peak_rss_mib()
     step, teardown = SETUPS[case.framework](case)
     torch.set_num_threads(threads)  # in case the framework changed it
-    times, phases, cpu, busy, loss = [], [], [], [], torch.zeros(())
+    times, phases, cpu, busy, faults, loss = [], [], [], [], [], torch.zeros(())
     for batch in batches(case, data_rank=rank):
         _barrier(case.world)
         _MARKS.clear()
-        t0, c0, b0 = time.perf_counter(), time.process_time(), machine_busy_s()
+        t0, c0, b0, f0 = time.perf_counter(), time.process_time(), machine_busy_s(), _minor_faults()
         loss = step(batch)
         t1 = time.perf_counter()
+        faults.append(_minor_faults() - f0)
         fwd_end, bwd_end = _MARKS
         times.append(t1 - t0)
         phases.append((fwd_end - t0, bwd_end - fwd_end, t1 - bwd_end))
@@ -263,6 +270,7 @@ def run_rank(case: Case, rank: int) -> dict[str, Any]:
         "phases": phases[case.warmup :],
         "cpu": cpu[case.warmup :],
         "busy": busy[case.warmup :],
+        "faults": faults[case.warmup :],
         "loss": float(loss.detach().float()),
         "peak": peak,
         "shm": shm,

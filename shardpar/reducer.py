@@ -31,6 +31,16 @@ its planned units, and every unit packs its gradients straight into its column r
 is sent as it is. Packing each unit into a block of its own and `torch.cat`-ing the blocks at flush
 cost a second model-sized buffer and ~85 ms a step at 25M parameters (docs/performance.md, fix 1).
 
+[Note: gradients read in place]
+Where the engine can read a ReduceScatter input in pieces (`Engine.reads_pieces`: smddp inside a
+node), no bucket buffer exists at all: each unit's gradients are taken off its parameters as they are
+(`Unit.take_grads`), and the bucket's collective reads row r of every unit straight from them, zero
+counts standing for padding and missing grads (`Unit.grad_pieces`). Same layout, same collective,
+same bits; what goes is the model-sized buffer, allocated afresh every step (glibc mmaps anything
+above 32 MiB: ~70 ms of page faults per 105 MB here), and one copy of every gradient into it
+(docs/performance.md, item 7). Engines that would pack the pieces anyway (native: gloo and NCCL need
+one buffer) keep the bucket, packed unit by unit as grads arrive, so the grads are freed early.
+
 [Note: replication in the bucket]
 With sdp 1 (plain data parallelism, reference 001's balanced fusion buffer) a bucket needs no
 ReduceScatter: it IS this rank's reduced shard the moment it is complete. In the backward that ends
@@ -54,7 +64,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardpar.collectives import CompletedWork, Engine, Group, ReduceOp, Work
+from shardpar.collectives import CompletedWork, Engine, Group, Piece, ReduceOp, Work
 from shardpar.unit import Unit
 
 
@@ -108,8 +118,12 @@ class GradReducer:
     reduce_dtype: torch.dtype
     device: torch.device
     plans: list[BucketPlan]
-    _where: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(unit) -> (bucket, column)
+    # id(unit) -> (bucket, column, position in the bucket)
+    _where: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     _buffers: list[torch.Tensor | None] = field(default_factory=list)  # [num_shards, width] once started
+    # Each bucket's units' grads, by unit position, where the engine reads them in place (else unused).
+    _grads: list[list[list[torch.Tensor | None] | None] | None] = field(default_factory=list)
+    reads_in_place: bool = False  # [Note: gradients read in place]
     _arrived: list[int] = field(default_factory=list)  # units packed into each bucket in this backward
     _next: int = 0  # the next bucket to issue, in plan order
     _inflight: list[_Inflight] = field(default_factory=list)
@@ -118,14 +132,17 @@ class GradReducer:
 
     def __post_init__(self) -> None:
         for b, plan in enumerate(self.plans):
-            for unit, column in zip(plan.units, plan.columns, strict=True):
-                self._where[id(unit)] = (b, column)
+            for position, (unit, column) in enumerate(zip(plan.units, plan.columns, strict=True)):
+                self._where[id(unit)] = (b, column, position)
+        probe = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
+        self.reads_in_place = self.sharding.size > 1 and self.engine.reads_pieces(probe, self.sharding)
         self._clear()
 
     def _clear(self) -> None:
         self._next, self._inflight = 0, []
         self._arrived = [0] * len(self.plans)
         self._buffers = [None] * len(self.plans)
+        self._grads = [None] * len(self.plans)
 
     def begin_backward(self, *, boundary: bool, scale: float) -> None:
         """Called as each backward starts; `boundary` = it ends an accumulation window, `scale` = the
@@ -152,14 +169,20 @@ class GradReducer:
             raise AssertionError(
                 f"unit {unit.name} has no place in the bucket plan (trainable when the model was built?)"
             )
-        b, column = self._where[id(unit)]
-        buffer = self._buffers[b]
-        if buffer is None:
-            buffer = torch.empty(
-                unit.layout.num_shards, self.plans[b].width, dtype=self.reduce_dtype, device=self.device
-            )
-            self._buffers[b] = buffer
-        unit.pack_grads(buffer[:, column : column + unit.layout.shard_numel])
+        b, column, position = self._where[id(unit)]
+        if self.reads_in_place:
+            grads = self._grads[b]
+            if grads is None:
+                grads = self._grads[b] = [None] * len(self.plans[b].units)
+            grads[position] = unit.take_grads(self.reduce_dtype)
+        else:
+            buffer = self._buffers[b]
+            if buffer is None:
+                buffer = torch.empty(
+                    unit.layout.num_shards, self.plans[b].width, dtype=self.reduce_dtype, device=self.device
+                )
+                self._buffers[b] = buffer
+            unit.pack_grads(buffer[:, column : column + unit.layout.shard_numel])
         unit.reduced = True
         self._arrived[b] += 1
         while self._next < len(self.plans) and self._arrived[self._next] == len(self.plans[self._next].units):
@@ -169,7 +192,11 @@ class GradReducer:
     def _issue(self, b: int) -> None:
         """Start bucket b's collective asynchronously: ReduceScatter, or at sdp 1 the replication
         AllReduce in a boundary backward, or nothing (sdp 1: the bucket is the reduced shard)."""
-        bucket, plan = self._buffers[b], self.plans[b]
+        plan = self.plans[b]
+        if self.reads_in_place:
+            self._inflight.append(self._issue_in_place(b))
+            return
+        bucket = self._buffers[b]
         if bucket is None:
             raise AssertionError(f"bucket {b} is complete but has no buffer")
         self._buffers[b] = None  # the engine keeps it alive while it needs it
@@ -184,6 +211,21 @@ class GradReducer:
             out = torch.empty(plan.width, dtype=self.reduce_dtype, device=self.device)
             work = self.engine.reduce_scatter(out, bucket.reshape(-1), self.sharding, op=ReduceOp.AVG, async_op=True)
         self._inflight.append(_Inflight(work, plan, out, replicated=self._replicate_scale is not None))
+
+    def _issue_in_place(self, b: int) -> _Inflight:
+        """Bucket b's ReduceScatter read from the grads themselves ([Note: gradients read in place])."""
+        plan, grads = self.plans[b], self._grads[b] or []
+        taken = [g for g in grads if g is not None]
+        if len(taken) != len(plan.units):
+            raise AssertionError(f"bucket {b} is complete but not every unit's grads were taken")
+        self._grads[b] = None  # the engine keeps the pieces alive while it reads them
+        pieces: list[Piece] = []
+        for row in range(self.sharding.size):
+            for unit, unit_grads in zip(plan.units, taken, strict=True):
+                pieces += unit.grad_pieces(unit_grads, row)
+        out = torch.empty(plan.width, dtype=self.reduce_dtype, device=self.device)
+        work = self.engine.reduce_scatter_pieces(out, pieces, self.sharding, op=ReduceOp.AVG, async_op=True)
+        return _Inflight(work, plan, out, replicated=False)
 
     def drain(self, *, scale: float = 1.0) -> None:
         """At the end of backward, once every trainable unit was added: wait for every bucket, then add

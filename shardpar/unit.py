@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardpar.collectives import Engine, Group, ReduceOp, Work
+from shardpar.collectives import Engine, Group, Piece, ReduceOp, Work
 from shardpar.collectives.hierarchical import hierarchical_all_gather
 from shardpar.layout import FlatLayout, ParamSlice
 from shardpar.precision import DtypePolicy
@@ -95,6 +95,7 @@ class Unit:
         self.compute_dtype = policy.compute
         self.device = device
         self.slices: tuple[ParamSlice, ...] = layout.slices(comm.shard_index)
+        self._row_slices: list[tuple[ParamSlice, ...]] | None = None  # every shard's, for grad_pieces
         self.main_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         self.main_grad: torch.Tensor | None = None
         self._compute_shard: torch.Tensor | None = None  # half-precision copy of main_shard (mixed only)
@@ -232,6 +233,33 @@ class Unit:
                 p.grad = None
                 self.grad_used[i] = True
         _write_flat(out, flat, self.layout.numel, n * width - self.layout.numel, None)
+
+    def take_grads(self, dtype: torch.dtype) -> list[torch.Tensor | None]:
+        """Take the gradients off the parameters, flat and in `dtype` (None where a parameter got none),
+        for a reducer whose engine reads them in place ([Note: gradients read in place] in reducer.py)."""
+        grads: list[torch.Tensor | None] = []
+        for i, p in enumerate(self.params):
+            grad = p.grad
+            if grad is not None:
+                p.grad = None
+                self.grad_used[i] = True
+                grad = grad.reshape(-1).to(dtype)  # a view when already flat-able and of `dtype`
+            grads.append(grad)
+        return grads
+
+    def grad_pieces(self, grads: list[torch.Tensor | None], row: int) -> list[Piece]:
+        """Row `row` of the unit's [num_shards, shard_numel] gradient block -- what pack_grads would write
+        there -- as pieces of `grads` (from take_grads): zero counts for missing grads and padding."""
+        if self._row_slices is None:
+            self._row_slices = [self.layout.slices(r) for r in range(self.layout.num_shards)]
+        pieces: list[Piece] = []
+        for sl, grad in zip(self._row_slices[row], grads, strict=True):
+            if sl.length:
+                pieces.append(sl.length if grad is None else grad[sl.param])
+        padding = self.layout.shard_numel - sum(sl.length for sl in self._row_slices[row])
+        if padding:
+            pieces.append(padding)
+        return pieces
 
     def accumulate_main_grad(self, reduced: torch.Tensor, *, scale: float = 1.0) -> None:
         """Add one micro-step's reduced shard gradient times `scale` (fp32 accumulation). `reduced` is

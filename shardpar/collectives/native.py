@@ -6,12 +6,22 @@ Raw torch.distributed calls live here and in topology.py only (DESIGN.md section
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardpar.collectives.base import CompletedWork, Group, ReduceOp, Work, check_gather_shapes
+from shardpar.collectives.base import (
+    CompletedWork,
+    Group,
+    Piece,
+    ReduceOp,
+    Work,
+    check_gather_shapes,
+    check_pieces,
+    pack_pieces,
+)
 
 
 class NativeWork:
@@ -115,6 +125,21 @@ class NativeEngine:
             async_op,
             finish,
         )
+
+    def reduce_scatter_pieces(
+        self,
+        output: torch.Tensor,
+        pieces: Sequence[Piece],
+        group: Group,
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Work:
+        check_pieces(output, pieces, group)
+        return self.reduce_scatter(output, pack_pieces(pieces, output), group, op=op, async_op=async_op)
+
+    def reads_pieces(self, output: torch.Tensor, group: Group) -> bool:
+        return False
 
     def all_reduce(
         self, tensor: torch.Tensor, group: Group, *, op: ReduceOp = ReduceOp.SUM, async_op: bool = False

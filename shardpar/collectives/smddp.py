@@ -32,7 +32,7 @@ import hashlib
 import os
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -41,7 +41,16 @@ import torch
 import torch.distributed as dist
 
 from shardpar.collectives import shm
-from shardpar.collectives.base import CompletedWork, Group, ReduceOp, Work, check_gather_shapes
+from shardpar.collectives.base import (
+    CompletedWork,
+    Group,
+    Piece,
+    ReduceOp,
+    Work,
+    check_gather_shapes,
+    check_pieces,
+    pack_pieces,
+)
 from shardpar.collectives.native import NativeEngine
 
 _REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -203,6 +212,27 @@ class SmddpEngine:
         if route == "shm":
             return self._submit(lambda: self._comm(group.ranks).reduce_scatter(output, input, _shm_op(op)), async_op)
         return self.native.reduce_scatter(output, input, group, op=op, async_op=async_op)
+
+    def reduce_scatter_pieces(
+        self,
+        output: torch.Tensor,
+        pieces: Sequence[Piece],
+        group: Group,
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Work:
+        """Inside a node the transport reads the pieces in place ([Note: shm pieces]); elsewhere they
+        are packed into one buffer and reduced as `reduce_scatter` would."""
+        check_pieces(output, pieces, group)
+        if self.route("reduce_scatter", output, group) != "shm":
+            return self.reduce_scatter(output, pack_pieces(pieces, output), group, op=op, async_op=async_op)
+        self._count("reduce_scatter", "shm")
+        comm_op = _shm_op(op)
+        return self._submit(lambda: self._comm(group.ranks).reduce_scatter_pieces(output, pieces, comm_op), async_op)
+
+    def reads_pieces(self, output: torch.Tensor, group: Group) -> bool:
+        return self.route("reduce_scatter", output, group) == "shm"
 
     def all_reduce(
         self, tensor: torch.Tensor, group: Group, *, op: ReduceOp = ReduceOp.SUM, async_op: bool = False

@@ -12,11 +12,12 @@ schedule of one training step.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from shardpar.collectives.base import Engine, Group, ReduceOp, Work
+from shardpar.collectives.base import Engine, Group, Piece, ReduceOp, Work
 
 
 @dataclass(frozen=True)
@@ -80,14 +81,23 @@ class CountingEngine:
         self.stats = stats or CommStats()
         self.name = inner.name
 
-    def _rec(self, op: str, group: Group, t: torch.Tensor, async_op: bool, routed: torch.Tensor | None = None) -> None:
-        """Record one call; `routed` is the tensor an engine with per-call routing decides on (the
-        AllGather input), so a fallback shows as engine "native-fallback"."""
+    def _rec(
+        self,
+        op: str,
+        group: Group,
+        t: torch.Tensor,
+        async_op: bool,
+        routed: torch.Tensor | None = None,
+        nbytes: int | None = None,
+    ) -> None:
+        """Record one call of `nbytes` (default: t's); `routed` is the tensor an engine with per-call
+        routing decides on (the AllGather input), so a fallback shows as engine "native-fallback"."""
         engine = self.inner.name
         route = getattr(self.inner, "route", None)
         if route is not None and str(route(op, t if routed is None else routed, group)).startswith("native:"):
             engine = "native-fallback"
-        self.stats.record(CommRecord(op, group.kind, group.size, _nbytes(t), t.dtype, async_op, engine))
+        size = _nbytes(t) if nbytes is None else nbytes
+        self.stats.record(CommRecord(op, group.kind, group.size, size, t.dtype, async_op, engine))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False) -> Work:
         self._rec("all_gather", group, output, async_op, routed=input)
@@ -104,6 +114,21 @@ class CountingEngine:
     ) -> Work:
         self._rec("reduce_scatter", group, input, async_op)
         return self.inner.reduce_scatter(output, input, group, op=op, async_op=async_op)
+
+    def reduce_scatter_pieces(
+        self,
+        output: torch.Tensor,
+        pieces: Sequence[Piece],
+        group: Group,
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Work:
+        self._rec("reduce_scatter", group, output, async_op, nbytes=group.size * _nbytes(output))
+        return self.inner.reduce_scatter_pieces(output, pieces, group, op=op, async_op=async_op)
+
+    def reads_pieces(self, output: torch.Tensor, group: Group) -> bool:
+        return self.inner.reads_pieces(output, group)
 
     def all_reduce(
         self, tensor: torch.Tensor, group: Group, *, op: ReduceOp = ReduceOp.SUM, async_op: bool = False

@@ -903,35 +903,89 @@ static size_t piece_elems(const shm_comm *c, size_t esz) {
     return (size_t)(c->chunk_bytes / (uint64_t)c->nranks / PIECE_ALIGN * PIECE_ALIGN) / esz;
 }
 
+/* [Note: shm pieces]
+ * A ReduceScatter input may be given as a list of pieces -- (pointer, count), or zeros when the pointer is
+ * NULL -- that together form the [nranks * count] input. The reducer passes each parameter's gradient
+ * where autograd left it, so no model-sized bucket is allocated (fresh mmap pages: ~70 ms per 105 MB
+ * here) and packed only to be read once (docs/performance.md, item 7). Reads go forward only, so a
+ * cursor per destination block walks the list once per call. A contiguous input is a list of one. */
+typedef struct {
+    uint64_t i, start; /* piece i begins at logical element `start` */
+} cursor;
+
+static void seek(const shm_piece *p, uint64_t np, cursor *cur, uint64_t at) {
+    while (cur->i < np && cur->start + p[cur->i].count <= at) cur->start += p[cur->i++].count;
+}
+
+/* dst <- logical elements [at, at + len) of the pieces (zeros for NULL pieces). */
+static void read_pieces(const shm_piece *p, uint64_t np, cursor *cur, size_t esz, char *dst, uint64_t at,
+                        size_t len) {
+    seek(p, np, cur, at);
+    for (cursor k = *cur; len > 0; k.start += p[k.i++].count) {
+        uint64_t skip = at - k.start;
+        size_t take = p[k.i].count - skip < len ? (size_t)(p[k.i].count - skip) : len;
+        if (p[k.i].ptr) copy_bytes(dst, (const char *)p[k.i].ptr + skip * esz, take * esz, 0);
+        else memset(dst, 0, take * esz);
+        dst += take * esz, at += take, len -= take;
+    }
+}
+
+/* A pointer to logical elements [at, at + len) when they lie inside one non-NULL piece, else NULL. */
+static const char *read_direct(const shm_piece *p, uint64_t np, cursor *cur, size_t esz, uint64_t at, size_t len) {
+    seek(p, np, cur, at);
+    if (cur->i >= np || !p[cur->i].ptr || at + len > cur->start + p[cur->i].count) return NULL;
+    return (const char *)p[cur->i].ptr + (at - cur->start) * esz;
+}
+
 /* ReduceScatter: my slot holds, per step, piece j = chunk s of in's block j for every j != me; I reduce
  * block `me` alone (1/n of the work) from my own input and piece `me` of every peer's slot, in rank order.
- *   slot[me][b]:  | piece 0 | piece 1 | ... | piece n-1 |     piece j -> read by rank j only        */
-SHM_API int shm_comm_reduce_scatter(shm_comm *c, void *out, const void *in, uint64_t count, int dtype, int op) {
+ *   slot[me][b]:  | piece 0 | piece 1 | ... | piece n-1 |     piece j -> read by rank j only
+ * My own block is read in place; only where it spans pieces (or zeros) is it assembled first, into the
+ * piece `me` of my slot, which no peer reads. */
+static int reduce_scatter(shm_comm *c, void *out, const shm_piece *in, uint64_t np, uint64_t count, int dtype,
+                          int op) {
     int st = begin_call(c, "reduce_scatter", count, (uint64_t)dtype, (uint64_t)op);
     if (st == SHM_OK) st = check_reduce_args(c, dtype, op);
     if (st != SHM_OK || count == 0) return st;
     const int n = c->nranks, me = c->index;
     const size_t esz = ELEM_SIZE[dtype], P = piece_elems(c, esz);
     const reduce_fn kernel = KERNELS[shm_best_isa()][dtype];
-    const char *src = in;
     const void *srcs[SHM_MAX_RANKS];
+    cursor cur[SHM_MAX_RANKS] = {{0, 0}};
     for (uint64_t off = 0; off < count; off += P) {
         size_t len = count - off < P ? (size_t)(count - off) : P;
         uint32_t b;
         if ((st = acquire_buf(c, &b)) != SHM_OK) return st;
-        for (int j = 0; j < n; j++) {
-            if (j == me) continue;
-            copy_bytes(slot(c, me, b) + (size_t)j * P * esz, src + ((size_t)j * count + off) * esz, len * esz, 0);
-        }
+        for (int j = 0; j < n; j++)
+            if (j != me) read_pieces(in, np, &cur[j], esz, slot(c, me, b) + (size_t)j * P * esz, j * count + off, len);
         publish(c, 1);
+        const char *mine = read_direct(in, np, &cur[me], esz, me * count + off, len);
+        if (!mine) {
+            mine = slot(c, me, b) + (size_t)me * P * esz;
+            read_pieces(in, np, &cur[me], esz, (char *)mine, me * count + off, len);
+        }
         if ((st = wait_all(c, c->seq)) != SHM_OK) return st;
-        for (int r = 0; r < n; r++)
-            srcs[r] = r == me ? src + ((size_t)me * count + off) * esz : slot(c, r, b) + (size_t)me * P * esz;
+        for (int r = 0; r < n; r++) srcs[r] = r == me ? mine : slot(c, r, b) + (size_t)me * P * esz;
         kernel((char *)out + off * esz, NULL, srcs, n, 0, len, op == SHM_OP_AVG);
         publish(c, 1);
         c->free_seq[b] = c->seq;
     }
     return SHM_OK;
+}
+
+SHM_API int shm_comm_reduce_scatter(shm_comm *c, void *out, const void *in, uint64_t count, int dtype, int op) {
+    const shm_piece whole = {in, (uint64_t)c->nranks * count};
+    return reduce_scatter(c, out, &whole, 1, count, dtype, op);
+}
+
+SHM_API int shm_comm_reduce_scatter_pieces(shm_comm *c, void *out, const shm_piece *pieces, uint64_t npieces,
+                                           uint64_t count, int dtype, int op) {
+    uint64_t total = 0;
+    for (uint64_t i = 0; i < npieces; i++) total += pieces[i].count;
+    if (total != (uint64_t)c->nranks * count) /* checked before the call starts: no peer waits on this rank */
+        return fail(c, SHM_EINVAL, "shm reduce_scatter: the pieces hold %llu elements, not %d x %llu",
+                    (unsigned long long)total, c->nranks, (unsigned long long)count);
+    return reduce_scatter(c, out, pieces, npieces, count, dtype, op);
 }
 
 /* One-phase AllReduce for small messages: every rank reduces the whole chunk from all slots; n x the

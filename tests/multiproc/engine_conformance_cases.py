@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import shardpar.api as api
-from shardpar.collectives import Engine, Group, NativeEngine, ReduceOp, make_engine
+from shardpar.collectives import Engine, Group, NativeEngine, Piece, ReduceOp, make_engine
 from tests.multiproc.parity import run_parity
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -119,6 +119,21 @@ def _reduce_scatter(engine: Engine, group: Group, rank: int, dtype: torch.dtype,
     return ok
 
 
+def _reduce_scatter_pieces(engine: Engine, group: Group, rank: int, dtype: torch.dtype, numel: int) -> bool:
+    """The input cut into a slice, a run of zeros and the rest (a piece per row boundary it crosses):
+    the same bits as reduce_scatter of the tensor the pieces stand for, on the same engine."""
+    x = _input(rank, numel * group.size, dtype, 4)
+    a, k = x.numel() // 3, min(5, x.numel() - x.numel() // 3)
+    pieces: list[Piece] = [x[:a], k, *x[a + k :].split(max(1, numel))]
+    equal = x.clone()
+    equal[a : a + k] = 0
+    got, want = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+    engine.reduce_scatter_pieces(got, pieces, group, op=ReduceOp.AVG, async_op=True).wait()
+    engine.reduce_scatter(want, equal, group, op=ReduceOp.AVG)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    return torch.equal(got.view(bits), want.view(bits))
+
+
 def _all_reduce(engine: Engine, group: Group, rank: int, dtype: torch.dtype, numel: int) -> bool:
     t = _input(rank, numel, dtype, 3)
     engine.all_reduce(t, group, async_op=True).wait()
@@ -134,6 +149,7 @@ def _broadcast(engine: Engine, group: Group, rank: int, dtype: torch.dtype, nume
 
 
 CHECKS: dict[str, Callable[[Engine, Group, int, torch.dtype, int], bool]] = {
+    "reduce_scatter_pieces": _reduce_scatter_pieces,
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,
     "all_reduce": _all_reduce,

@@ -230,13 +230,39 @@ def rank_dependent_branch_case(layouts: list[tuple[int, int, int]]) -> list[dict
     return [_branch_run(sdp, bucket, mode) for sdp, bucket, mode in layouts]
 
 
-def _branch_run(sdp: int, bucket: int, mode: int) -> dict[str, Any]:
-    knobs = {"sharded_data_parallel_degree": sdp, "sdp_reduce_bucket_size": bucket, "sdp_gradient_clipping": 0.0}
+def zero_pieces_case(layouts: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """sdp 2: block 1 gets no gradient on any rank (BranchyMLP mode 3 everywhere) and blocks.0.up.weight
+    is frozen, so some units reduce zeros for whole parameters, besides their padding. Per (engine,
+    bucket size): max abs diff against one process, and whether the grads were read in place
+    ([Note: gradients read in place])."""
+    out = []
+    for engine, bucket in layouts:
+        r = _branch_run(2, bucket, 3, everywhere=True, engine=engine, freeze="blocks.0.up.weight")
+        out.append({**r, "engine": engine})
+    return out
+
+
+def _branch_run(
+    sdp: int, bucket: int, mode: int, *, everywhere: bool = False, engine: str = "auto", freeze: str = ""
+) -> dict[str, Any]:
+    knobs = {
+        "sharded_data_parallel_degree": sdp,
+        "sdp_reduce_bucket_size": bucket,
+        "sdp_gradient_clipping": 0.0,
+        "ddp_dist_backend": engine,
+    }
     smp.init({**SHARD, **knobs})
     try:
-        model, opt, ref, ref_opt = models.sgd_twins(models.BranchyMLP)
+
+        def build() -> torch.nn.Module:
+            module = models.BranchyMLP()
+            if freeze:
+                module.get_parameter(freeze).requires_grad_(False)
+            return module
+
+        model, opt, ref, ref_opt = models.sgd_twins(build)
         rank, world = smp.rank(), smp.size()
-        modes = [mode if r == 1 else 0 for r in range(world)]
+        modes = [mode if r == 1 or everywhere else 0 for r in range(world)]
         for step in range(3):
             batches = [models.mlp_batch(100 * step + r, 4) for r in range(world)]
             model.backward(model(**batches[rank], mode=modes[rank]))
@@ -251,6 +277,7 @@ def _branch_run(sdp: int, bucket: int, mode: int) -> dict[str, Any]:
             "mode": mode,
             "param": models.max_param_diff(model, ref),
             "buckets": len(model.reducer.plans),
+            "in_place": model.reducer.reads_in_place,
         }
     finally:
         smp.shutdown()
