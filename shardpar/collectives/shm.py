@@ -95,6 +95,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "shm_comm_destroy": (None, [vp]),
         "shm_comm_last_error": (ctypes.c_char_p, [vp]),
         "shm_comm_set_timeout": (i, [vp, d]),
+        "shm_comm_set_wait": (i, [vp, i]),
         "shm_comm_all_gather": (i, [vp, vp, vp, u64]),
         "shm_comm_reduce_scatter": (i, [vp, vp, vp, u64, i, i]),
         "shm_comm_reduce_scatter_pieces": (i, [vp, vp, vp, u64, u64, i, i]),
@@ -231,6 +232,7 @@ class ShmComm:
         self.members = list(members) if members is not None else None
         self.name = segment_name(key, group)
         self.index, self.size, self.timeout_s = index, size, timeout_s
+        self.patient = False
         lib = _lib()
         status = ctypes.c_int(0)
         err = ctypes.create_string_buffer(512)
@@ -261,6 +263,14 @@ class ShmComm:
     def set_timeout(self, timeout_s: float) -> None:
         self._check(_lib().shm_comm_set_timeout(self._live(), timeout_s))
         self.timeout_s = timeout_s
+
+    def set_patient(self, patient: bool) -> None:
+        """patient: waits inside a collective sleep at once (no spinning, no yielding), leaving the
+        cores to compute that runs beside the collective; else the default (spin when every rank has
+        a core). See [Note: shm synchronisation] in shm_transport.c."""
+        if patient != self.patient:
+            self._check(_lib().shm_comm_set_wait(self._live(), int(patient)))
+            self.patient = patient
 
     def _live(self) -> int:
         if self._handle is None:

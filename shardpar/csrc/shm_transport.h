@@ -47,6 +47,9 @@ shm_comm *shm_comm_create(const char *name, int index, int nranks, uint64_t chun
 void shm_comm_destroy(shm_comm *comm);
 const char *shm_comm_last_error(const shm_comm *comm);
 int shm_comm_set_timeout(shm_comm *comm, double timeout_s);
+/* patient = 1: waits sleep on a futex at once instead of spinning and yielding first (for collectives
+ * that run beside the process's own compute); 0: the default, picked from ranks vs cores. */
+int shm_comm_set_wait(shm_comm *comm, int patient);
 
 /* out[nranks * nbytes] <- concatenation of every rank's in[nbytes] (in may be out's own block). */
 int shm_comm_all_gather(shm_comm *comm, void *out, const void *in, uint64_t nbytes);

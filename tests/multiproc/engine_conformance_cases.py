@@ -183,6 +183,13 @@ def _check_many_async(engine: Engine, group: Group, rank: int) -> list[str]:
         full = sum((_input(r, n * group.size, torch.float32, 7) for r in group.ranks), torch.zeros(n * group.size))
         if not _close(scatters[i], full.view(group.size, n)[group.rank_of(rank)], group.size):
             bad.append(f"async reduce_scatter #{i}")
+    comms = getattr(engine, "_comms", {})  # smddp: waits on its worker thread sleep, on the caller spin
+    if group.ranks in comms:  # a group on one node (else its calls are native)
+        if not comms[group.ranks].patient:
+            bad.append("the worker's collectives were not patient")
+        engine.all_reduce(torch.zeros(1), group)  # nothing queued: runs on the caller
+        if comms[group.ranks].patient:
+            bad.append("a collective on the caller's thread was patient")
     return bad
 
 
