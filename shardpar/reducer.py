@@ -32,13 +32,13 @@ is sent as it is. Packing each unit into a block of its own and `torch.cat`-ing 
 cost a second model-sized buffer and ~85 ms a step at 25M parameters (docs/performance.md, fix 1).
 
 [Note: gradients read in place]
-Where the engine can read a ReduceScatter input in pieces (`Engine.reads_pieces`: smddp inside a
+Where the engine can read a ReduceScatter input in spans (`Engine.reads_spans`: smddp inside a
 node), no bucket buffer exists at all: each unit's gradients are taken off its parameters as they are
 (`Unit.take_grads`), and the bucket's collective reads row r of every unit straight from them, zero
-counts standing for padding and missing grads (`Unit.grad_pieces`). Same layout, same collective,
+counts standing for padding and missing grads (`Unit.grad_spans`). Same layout, same collective,
 same bits; what goes is the model-sized buffer, allocated afresh every step (glibc mmaps anything
 above 32 MiB: ~70 ms of page faults per 105 MB here), and one copy of every gradient into it
-(docs/performance.md, item 7). Engines that would pack the pieces anyway (native: gloo and NCCL need
+(docs/performance.md, item 7). Engines that would pack the spans anyway (native: gloo and NCCL need
 one buffer) keep the bucket, packed unit by unit as grads arrive, so the grads are freed early.
 
 [Note: replication in the bucket]
@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardpar.collectives import CompletedWork, Engine, Group, Piece, ReduceOp, Work
+from shardpar.collectives import CompletedWork, Engine, Group, ReduceOp, Span, Work
 from shardpar.unit import Unit
 
 
@@ -123,7 +123,7 @@ class GradReducer:
     _buffers: list[torch.Tensor | None] = field(default_factory=list)  # [num_shards, width] once started
     # Each bucket's units' grads, by unit position, where the engine reads them in place (else unused).
     _grads: list[list[list[torch.Tensor | None] | None] | None] = field(default_factory=list)
-    reads_in_place: bool = False  # [Note: gradients read in place]
+    reads_in_place: bool = field(init=False, default=False)  # [Note: gradients read in place]
     _arrived: list[int] = field(default_factory=list)  # units packed into each bucket in this backward
     _next: int = 0  # the next bucket to issue, in plan order
     _inflight: list[_Inflight] = field(default_factory=list)
@@ -135,7 +135,7 @@ class GradReducer:
             for position, (unit, column) in enumerate(zip(plan.units, plan.columns, strict=True)):
                 self._where[id(unit)] = (b, column, position)
         probe = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
-        self.reads_in_place = self.sharding.size > 1 and self.engine.reads_pieces(probe, self.sharding)
+        self.reads_in_place = self.sharding.size > 1 and self.engine.reads_spans(probe, self.sharding)
         self._clear()
 
     def _clear(self) -> None:
@@ -218,13 +218,13 @@ class GradReducer:
         taken = [g for g in grads if g is not None]
         if len(taken) != len(plan.units):
             raise AssertionError(f"bucket {b} is complete but not every unit's grads were taken")
-        self._grads[b] = None  # the engine keeps the pieces alive while it reads them
-        pieces: list[Piece] = []
+        self._grads[b] = None  # the engine keeps the spans alive while it reads them
+        spans: list[Span] = []
         for row in range(self.sharding.size):
             for unit, unit_grads in zip(plan.units, taken, strict=True):
-                pieces += unit.grad_pieces(unit_grads, row)
+                spans += unit.grad_spans(unit_grads, row)
         out = torch.empty(plan.width, dtype=self.reduce_dtype, device=self.device)
-        work = self.engine.reduce_scatter_pieces(out, pieces, self.sharding, op=ReduceOp.AVG, async_op=True)
+        work = self.engine.reduce_scatter_spans(out, spans, self.sharding, op=ReduceOp.AVG, async_op=True)
         return _Inflight(work, plan, out, replicated=False)
 
     def drain(self, *, scale: float = 1.0) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardpar.collectives import Engine, Group, Piece, ReduceOp, Work
+from shardpar.collectives import Engine, Group, ReduceOp, Span, Work
 from shardpar.collectives.hierarchical import hierarchical_all_gather
 from shardpar.layout import FlatLayout, ParamSlice
 from shardpar.precision import DtypePolicy
@@ -95,7 +95,7 @@ class Unit:
         self.compute_dtype = policy.compute
         self.device = device
         self.slices: tuple[ParamSlice, ...] = layout.slices(comm.shard_index)
-        self._row_slices: list[tuple[ParamSlice, ...]] | None = None  # every shard's, for grad_pieces
+        self._row_slices: list[tuple[ParamSlice, ...]] | None = None  # every shard's, for grad_spans
         self.main_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         self.main_grad: torch.Tensor | None = None
         self._compute_shard: torch.Tensor | None = None  # half-precision copy of main_shard (mixed only)
@@ -247,19 +247,19 @@ class Unit:
             grads.append(grad)
         return grads
 
-    def grad_pieces(self, grads: list[torch.Tensor | None], row: int) -> list[Piece]:
+    def grad_spans(self, grads: list[torch.Tensor | None], row: int) -> list[Span]:
         """Row `row` of the unit's [num_shards, shard_numel] gradient block -- what pack_grads would write
-        there -- as pieces of `grads` (from take_grads): zero counts for missing grads and padding."""
+        there -- as spans of `grads` (from take_grads): zero counts for missing grads and padding."""
         if self._row_slices is None:
             self._row_slices = [self.layout.slices(r) for r in range(self.layout.num_shards)]
-        pieces: list[Piece] = []
+        spans: list[Span] = []
         for sl, grad in zip(self._row_slices[row], grads, strict=True):
             if sl.length:
-                pieces.append(sl.length if grad is None else grad[sl.param])
+                spans.append(sl.length if grad is None else grad[sl.param])
         padding = self.layout.shard_numel - sum(sl.length for sl in self._row_slices[row])
         if padding:
-            pieces.append(padding)
-        return pieces
+            spans.append(padding)
+        return spans
 
     def accumulate_main_grad(self, reduced: torch.Tensor, *, scale: float = 1.0) -> None:
         """Add one micro-step's reduced shard gradient times `scale` (fp32 accumulation). `reduced` is
@@ -303,7 +303,7 @@ class Unit:
         self.reduced = False
 
     def drop_stale_grads(self) -> None:
-        """After a backward that raised: pack_grads frees every .grad it takes, so one here is left over
+        """After a backward that raised: pack_grads and take_grads free every .grad they take, so one here is left over
         from a backward that raised before this unit was reduced, and autograd would add the next
         backward's gradient to it."""
         for p in self.params:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from shardpar.collectives.base import CompletedWork, Engine, Group, Piece, ReduceOp, Work
+from shardpar.collectives.base import CompletedWork, Engine, Group, ReduceOp, Span, Work
 from shardpar.collectives.native import NativeEngine
 from shardpar.collectives.stats import CommRecord, CommStats, CountingEngine
 
@@ -16,8 +16,8 @@ __all__ = [
     "Engine",
     "Group",
     "NativeEngine",
-    "Piece",
     "ReduceOp",
+    "Span",
     "Work",
     "make_engine",
 ]

@@ -8,7 +8,7 @@ Shapes (n = group.size):
 
     all_gather:      input [k]        -> output [n*k]   (block i of output is rank i's input)
     reduce_scatter:  input [n*k]      -> output [k]     (rank i gets the reduced block i)
-    reduce_scatter_pieces: the same, input given as pieces end to end (tensors, or counts of zeros)
+    reduce_scatter_spans: the same, input given as spans end to end (tensors, or counts of zeros)
     all_reduce:      tensor [k]       -> tensor [k]     (in place)
     broadcast:       tensor [k]       -> tensor [k]     (in place, from global rank `src`)
 """
@@ -53,8 +53,8 @@ class Group:
             raise AssertionError(f"rank {global_rank} is not in {self.kind} group {self.ranks}") from None
 
 
-# A piece of a ReduceScatter input: a 1-D contiguous tensor, or an int k standing for k zeros.
-Piece = torch.Tensor | int
+# A span of a ReduceScatter input: a 1-D contiguous tensor, or an int k standing for k zeros.
+Span = torch.Tensor | int
 
 
 @runtime_checkable
@@ -96,21 +96,21 @@ class Engine(Protocol):
         async_op: bool = False,
     ) -> Work: ...
 
-    def reduce_scatter_pieces(
+    def reduce_scatter_spans(
         self,
         output: torch.Tensor,
-        pieces: Sequence[Piece],
+        spans: Sequence[Span],
         group: Group,
         *,
         op: ReduceOp = ReduceOp.SUM,
         async_op: bool = False,
     ) -> Work:
-        """reduce_scatter of the pieces laid end to end; the pieces must stay unchanged until it is done."""
+        """reduce_scatter of the spans laid end to end; the spans must stay unchanged until it is done."""
         ...
 
-    def reads_pieces(self, output: torch.Tensor, group: Group) -> bool:
-        """Whether reduce_scatter_pieces reads the pieces where they lie. If not, it packs them into one
-        buffer first, and a caller that can pack as the pieces arrive should do so itself."""
+    def reads_spans(self, output: torch.Tensor, group: Group) -> bool:
+        """Whether reduce_scatter_spans reads the spans where they lie. If not, it packs them into one
+        buffer first, and a caller that can pack as the spans arrive should do so itself."""
         ...
 
     def all_reduce(
@@ -140,40 +140,40 @@ def check_gather_shapes(output: torch.Tensor, input: torch.Tensor, group: Group,
         raise ValueError(f"{op}: tensors must be contiguous; call .contiguous() first")
 
 
-def check_pieces(output: torch.Tensor, pieces: Sequence[Piece], group: Group) -> int:
-    """Validate a reduce_scatter_pieces call on the caller, before any rank enters it; returns the
+def check_spans(output: torch.Tensor, spans: Sequence[Span], group: Group) -> int:
+    """Validate a reduce_scatter_spans call on the caller, before any rank enters it; returns the
     number of input elements."""
     total = 0
-    for i, piece in enumerate(pieces):
-        if isinstance(piece, int):
-            if piece < 0:
-                raise ValueError(f"reduce_scatter_pieces: piece {i} asks for {piece} zeros; a count must be >= 0")
-            total += piece
+    for i, span in enumerate(spans):
+        if isinstance(span, int):
+            if span < 0:
+                raise ValueError(f"reduce_scatter_spans: span {i} asks for {span} zeros; a count must be >= 0")
+            total += span
             continue
-        if piece.dtype != output.dtype or piece.device != output.device or not piece.is_contiguous():
+        if span.dtype != output.dtype or span.device != output.device or not span.is_contiguous():
             raise ValueError(
-                f"reduce_scatter_pieces: pieces[{i}] ({piece.dtype} on {piece.device}, contiguous="
-                f"{piece.is_contiguous()}) must be contiguous and match output ({output.dtype} on {output.device})"
+                f"reduce_scatter_spans: spans[{i}] ({span.dtype} on {span.device}, contiguous="
+                f"{span.is_contiguous()}) must be contiguous and match output ({output.dtype} on {output.device})"
             )
-        total += piece.numel()
+        total += span.numel()
     if total != group.size * output.numel():
         raise ValueError(
-            f"reduce_scatter_pieces: the pieces hold {total} elements but must hold group size "
-            f"{group.size} x {output.numel()}; pad with an int piece of zeros"
+            f"reduce_scatter_spans: the spans hold {total} elements but must hold group size "
+            f"{group.size} x {output.numel()}; pad with an int span of zeros"
         )
     return total
 
 
-def pack_pieces(pieces: Sequence[Piece], output: torch.Tensor) -> torch.Tensor:
-    """The pieces end to end in one new buffer (for engines that cannot read them in place)."""
-    total = sum(p if isinstance(p, int) else p.numel() for p in pieces)
+def pack_spans(spans: Sequence[Span], output: torch.Tensor) -> torch.Tensor:
+    """The spans end to end in one new buffer (for engines that cannot read them in place)."""
+    total = sum(p if isinstance(p, int) else p.numel() for p in spans)
     buffer = torch.empty(total, dtype=output.dtype, device=output.device)
     at = 0
-    for piece in pieces:
-        n = piece if isinstance(piece, int) else piece.numel()
-        if isinstance(piece, int):
+    for span in spans:
+        n = span if isinstance(span, int) else span.numel()
+        if isinstance(span, int):
             buffer[at : at + n].zero_()
         else:
-            buffer[at : at + n].copy_(piece.reshape(-1))
+            buffer[at : at + n].copy_(span.reshape(-1))
         at += n
     return buffer

@@ -15,12 +15,12 @@ import torch.distributed as dist
 from shardpar.collectives.base import (
     CompletedWork,
     Group,
-    Piece,
     ReduceOp,
+    Span,
     Work,
     check_gather_shapes,
-    check_pieces,
-    pack_pieces,
+    check_spans,
+    pack_spans,
 )
 
 
@@ -126,19 +126,19 @@ class NativeEngine:
             finish,
         )
 
-    def reduce_scatter_pieces(
+    def reduce_scatter_spans(
         self,
         output: torch.Tensor,
-        pieces: Sequence[Piece],
+        spans: Sequence[Span],
         group: Group,
         *,
         op: ReduceOp = ReduceOp.SUM,
         async_op: bool = False,
     ) -> Work:
-        check_pieces(output, pieces, group)
-        return self.reduce_scatter(output, pack_pieces(pieces, output), group, op=op, async_op=async_op)
+        check_spans(output, spans, group)
+        return self.reduce_scatter(output, pack_spans(spans, output), group, op=op, async_op=async_op)
 
-    def reads_pieces(self, output: torch.Tensor, group: Group) -> bool:
+    def reads_spans(self, output: torch.Tensor, group: Group) -> bool:
         return False
 
     def all_reduce(

@@ -9,7 +9,7 @@ Shapes (n = size), as in shardpar.collectives.base:
 
     all_gather(out, inp):           inp [k]      -> out [n*k]   (block i of out is rank i's inp)
     reduce_scatter(out, inp, op):   inp [n*k]    -> out [k]     (rank i gets the reduced block i)
-    reduce_scatter_pieces(out, pieces, op): the same, inp given as tensors / zero counts end to end
+    reduce_scatter_spans(out, spans, op): the same, inp given as tensors / zero counts end to end
     all_reduce(t, op):              t [k]        -> t [k]       (in place)
     broadcast(t, src_index):        t [k]        -> t [k]       (in place, from local index src_index)
 
@@ -98,7 +98,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "shm_comm_set_wait": (i, [vp, i]),
         "shm_comm_all_gather": (i, [vp, vp, vp, u64]),
         "shm_comm_reduce_scatter": (i, [vp, vp, vp, u64, i, i]),
-        "shm_comm_reduce_scatter_pieces": (i, [vp, vp, vp, u64, u64, i, i]),
+        "shm_comm_reduce_scatter_spans": (i, [vp, vp, vp, u64, u64, i, i]),
         "shm_comm_all_reduce": (i, [vp, vp, u64, i, i]),
         "shm_comm_broadcast": (i, [vp, vp, u64, i]),
         "shm_comm_barrier": (i, [vp]),
@@ -319,35 +319,35 @@ class ShmComm:
         lib = _lib()
         self._check(lib.shm_comm_reduce_scatter(self._live(), out_ptr, inp_ptr, out.numel(), code, _op_code(op)))
 
-    def reduce_scatter_pieces(self, out: torch.Tensor, pieces: Sequence[torch.Tensor | int], op: str = "sum") -> None:
-        """reduce_scatter with the input given as pieces laid end to end -- 1-D contiguous tensors of
-        out's dtype, or an int k for k zeros -- read in place, never concatenated ([Note: shm pieces])."""
+    def reduce_scatter_spans(self, out: torch.Tensor, spans: Sequence[torch.Tensor | int], op: str = "sum") -> None:
+        """reduce_scatter with the input given as spans laid end to end -- 1-D contiguous tensors of
+        out's dtype, or an int k for k zeros -- read in place, never concatenated ([Note: shm spans])."""
         _check_cpu_contiguous("reduce_scatter", out=out)
         code = _dtype_code(out, "reduce_scatter")
         out_ptr, out_bytes = out.data_ptr(), _nbytes(out)
-        words: list[int] = []  # (pointer, count) pairs: the C shm_piece array
-        for i, piece in enumerate(pieces):
-            if isinstance(piece, int):
-                if piece < 0:
-                    raise ValueError(f"shm reduce_scatter: piece {i} asks for {piece} zeros; a count must be >= 0")
-                words += (0, piece)
+        words: list[int] = []  # (pointer, count) pairs: the C shm_span array
+        for i, span in enumerate(spans):
+            if isinstance(span, int):
+                if span < 0:
+                    raise ValueError(f"shm reduce_scatter: span {i} asks for {span} zeros; a count must be >= 0")
+                words += (0, span)
                 continue
-            _check_cpu_contiguous("reduce_scatter", **{f"pieces[{i}]": piece})
-            if piece.dtype != out.dtype:
-                raise ValueError(f"shm reduce_scatter: pieces[{i}] is {piece.dtype}, out is {out.dtype}; cast it first")
-            if _overlaps(out_ptr, out_bytes, piece.data_ptr(), _nbytes(piece)):
-                raise ValueError(f"shm reduce_scatter: pieces[{i}] overlaps out; reduce into a separate tensor")
-            words += (piece.data_ptr(), piece.numel())
+            _check_cpu_contiguous("reduce_scatter", **{f"spans[{i}]": span})
+            if span.dtype != out.dtype:
+                raise ValueError(f"shm reduce_scatter: spans[{i}] is {span.dtype}, out is {out.dtype}; cast it first")
+            if _overlaps(out_ptr, out_bytes, span.data_ptr(), _nbytes(span)):
+                raise ValueError(f"shm reduce_scatter: spans[{i}] overlaps out; reduce into a separate tensor")
+            words += (span.data_ptr(), span.numel())
         total = sum(words[1::2])
         if total != self.size * out.numel():
             raise ValueError(
-                f"shm reduce_scatter: the pieces hold {total} elements but must hold {self.size} x "
-                f"out ({out.numel()} elements); pad with an int piece of zeros"
+                f"shm reduce_scatter: the spans hold {total} elements but must hold {self.size} x "
+                f"out ({out.numel()} elements); pad with an int span of zeros"
             )
         array = (ctypes.c_uint64 * len(words))(*words)
         lib = _lib()
         self._check(
-            lib.shm_comm_reduce_scatter_pieces(
+            lib.shm_comm_reduce_scatter_spans(
                 self._live(), out_ptr, array, len(words) // 2, out.numel(), code, _op_code(op)
             )
         )

@@ -45,12 +45,12 @@ from shardpar.collectives import shm
 from shardpar.collectives.base import (
     CompletedWork,
     Group,
-    Piece,
     ReduceOp,
+    Span,
     Work,
     check_gather_shapes,
-    check_pieces,
-    pack_pieces,
+    check_spans,
+    pack_spans,
 )
 from shardpar.collectives.native import NativeEngine
 
@@ -93,13 +93,6 @@ class SmddpWork:
         return self._future.done()
 
 
-_ON_WORKER = threading.local()  # .flag is True on every engine's worker thread
-
-
-def _mark_worker() -> None:
-    _ON_WORKER.flag = True
-
-
 def _shm_op(op: ReduceOp) -> str:
     return "avg" if op is ReduceOp.AVG else "sum"
 
@@ -123,7 +116,8 @@ class SmddpEngine:
         self.fallbacks: Counter[tuple[str, str]] = Counter()
         self.routes: Counter[tuple[str, str]] = Counter()
         self._comms: dict[tuple[int, ...], shm.ShmComm] = {}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smddp", initializer=_mark_worker)
+        self._worker_ident: int | None = None  # the worker thread's, set as it starts
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smddp", initializer=self._mark_worker)
         self._last: Future[None] | None = None
 
     # ---- routing ---------------------------------------------------------------------------------
@@ -178,10 +172,14 @@ class SmddpEngine:
         work.wait()
         return CompletedWork()
 
+    def _mark_worker(self) -> None:
+        self._worker_ident = threading.get_ident()
+
     def _comm(self, ranks: tuple[int, ...]) -> shm.ShmComm:
         """The communicator of `ranks`, called in issue order (see [Note: smddp ordering]) on the
         thread that runs the collective. On the worker the collective overlaps this rank's compute,
-        so its waits sleep instead of spinning (`ShmComm.set_patient`: 6-8 % off a 25m step)."""
+        so its waits sleep instead of spinning (`ShmComm.set_patient`; docs/performance.md item 8). A
+        synchronous call queued behind async ones runs there too, patient, while the caller waits."""
         comm = self._comms.get(ranks)
         if comm is None:
             tag = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
@@ -189,7 +187,7 @@ class SmddpEngine:
                 self.key, tag, ranks.index(self.rank), len(ranks), timeout_s=self.options.timeout_s, members=ranks
             )
             self._comms[ranks] = comm
-        comm.set_patient(getattr(_ON_WORKER, "flag", False))
+        comm.set_patient(threading.get_ident() == self._worker_ident)
         return comm
 
     # ---- the Engine protocol ---------------------------------------------------------------------
@@ -224,25 +222,25 @@ class SmddpEngine:
             return self._submit(lambda: self._comm(group.ranks).reduce_scatter(output, input, _shm_op(op)), async_op)
         return self.native.reduce_scatter(output, input, group, op=op, async_op=async_op)
 
-    def reduce_scatter_pieces(
+    def reduce_scatter_spans(
         self,
         output: torch.Tensor,
-        pieces: Sequence[Piece],
+        spans: Sequence[Span],
         group: Group,
         *,
         op: ReduceOp = ReduceOp.SUM,
         async_op: bool = False,
     ) -> Work:
-        """Inside a node the transport reads the pieces in place ([Note: shm pieces]); elsewhere they
+        """Inside a node the transport reads the spans in place ([Note: shm spans]); elsewhere they
         are packed into one buffer and reduced as `reduce_scatter` would."""
-        check_pieces(output, pieces, group)
+        check_spans(output, spans, group)
         if self.route("reduce_scatter", output, group) != "shm":
-            return self.reduce_scatter(output, pack_pieces(pieces, output), group, op=op, async_op=async_op)
+            return self.reduce_scatter(output, pack_spans(spans, output), group, op=op, async_op=async_op)
         self._count("reduce_scatter", "shm")
         comm_op = _shm_op(op)
-        return self._submit(lambda: self._comm(group.ranks).reduce_scatter_pieces(output, pieces, comm_op), async_op)
+        return self._submit(lambda: self._comm(group.ranks).reduce_scatter_spans(output, spans, comm_op), async_op)
 
-    def reads_pieces(self, output: torch.Tensor, group: Group) -> bool:
+    def reads_spans(self, output: torch.Tensor, group: Group) -> bool:
         return self.route("reduce_scatter", output, group) == "shm"
 
     def all_reduce(

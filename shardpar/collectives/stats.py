@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardpar.collectives.base import Engine, Group, Piece, ReduceOp, Work
+from shardpar.collectives.base import Engine, Group, ReduceOp, Span, Work
 
 
 @dataclass(frozen=True)
@@ -115,20 +115,20 @@ class CountingEngine:
         self._rec("reduce_scatter", group, input, async_op)
         return self.inner.reduce_scatter(output, input, group, op=op, async_op=async_op)
 
-    def reduce_scatter_pieces(
+    def reduce_scatter_spans(
         self,
         output: torch.Tensor,
-        pieces: Sequence[Piece],
+        spans: Sequence[Span],
         group: Group,
         *,
         op: ReduceOp = ReduceOp.SUM,
         async_op: bool = False,
     ) -> Work:
         self._rec("reduce_scatter", group, output, async_op, nbytes=group.size * _nbytes(output))
-        return self.inner.reduce_scatter_pieces(output, pieces, group, op=op, async_op=async_op)
+        return self.inner.reduce_scatter_spans(output, spans, group, op=op, async_op=async_op)
 
-    def reads_pieces(self, output: torch.Tensor, group: Group) -> bool:
-        return self.inner.reads_pieces(output, group)
+    def reads_spans(self, output: torch.Tensor, group: Group) -> bool:
+        return self.inner.reads_spans(output, group)
 
     def all_reduce(
         self, tensor: torch.Tensor, group: Group, *, op: ReduceOp = ReduceOp.SUM, async_op: bool = False

@@ -24,7 +24,8 @@
  * the peer's counter with a futex (process-shared) in short slices: pure spinning is 60x slower when
  * ranks outnumber cores. A "patient" communicator (shm_comm_set_wait) sleeps at once: the smddp engine
  * asks for it on its worker thread, whose collectives overlap the rank's own compute, which a spinning
- * or yielding waiter slows down (25m training step, 2 ranks on 2 cores: 6-8 % faster, 7-11 % less CPU). Between slices it checks the abort word, the peer's `closed` flag, the deadline
+ * or yielding waiter slows down (25m training step, 2 ranks on 2 cores: 8-16 % less CPU per step,
+ * docs/performance.md item 8). Between slices it checks the abort word, the peer's `closed` flag, the deadline
  * (-> SHM_ETIMEDOUT naming the peer) and, every 50 ms, whether every peer process is still alive
  * (kill(pid, 0) plus the zombie state in /proc -> SHM_EPEERDEAD).
  * The first rank to fail stores the reason in the abort word and wakes everyone, so peers fail fast with
@@ -913,22 +914,24 @@ static size_t piece_elems(const shm_comm *c, size_t esz) {
     return (size_t)(c->chunk_bytes / (uint64_t)c->nranks / PIECE_ALIGN * PIECE_ALIGN) / esz;
 }
 
-/* [Note: shm pieces]
- * A ReduceScatter input may be given as a list of pieces -- (pointer, count), or zeros when the pointer is
+/* [Note: shm spans]
+ * A ReduceScatter input may be given as a list of spans -- (pointer, count), or zeros when the pointer is
  * NULL -- that together form the [nranks * count] input. The reducer passes each parameter's gradient
  * where autograd left it, so no model-sized bucket is allocated (fresh mmap pages: ~70 ms per 105 MB
  * here) and packed only to be read once (docs/performance.md, item 7). Reads go forward only, so a
  * cursor per destination block walks the list once per call. A contiguous input is a list of one. */
+_Static_assert(sizeof(shm_span) == 16, "shm.py passes spans as pairs of uint64");
+
 typedef struct {
-    uint64_t i, start; /* piece i begins at logical element `start` */
+    uint64_t i, start; /* span i begins at logical element `start` */
 } cursor;
 
-static void seek(const shm_piece *p, uint64_t np, cursor *cur, uint64_t at) {
+static void seek(const shm_span *p, uint64_t np, cursor *cur, uint64_t at) {
     while (cur->i < np && cur->start + p[cur->i].count <= at) cur->start += p[cur->i++].count;
 }
 
-/* dst <- logical elements [at, at + len) of the pieces (zeros for NULL pieces). */
-static void read_pieces(const shm_piece *p, uint64_t np, cursor *cur, size_t esz, char *dst, uint64_t at,
+/* dst <- logical elements [at, at + len) of the spans (zeros for NULL spans). */
+static void read_spans(const shm_span *p, uint64_t np, cursor *cur, size_t esz, char *dst, uint64_t at,
                         size_t len) {
     seek(p, np, cur, at);
     for (cursor k = *cur; len > 0; k.start += p[k.i++].count) {
@@ -940,8 +943,8 @@ static void read_pieces(const shm_piece *p, uint64_t np, cursor *cur, size_t esz
     }
 }
 
-/* A pointer to logical elements [at, at + len) when they lie inside one non-NULL piece, else NULL. */
-static const char *read_direct(const shm_piece *p, uint64_t np, cursor *cur, size_t esz, uint64_t at, size_t len) {
+/* A pointer to logical elements [at, at + len) when they lie inside one non-NULL span, else NULL. */
+static const char *read_direct(const shm_span *p, uint64_t np, cursor *cur, size_t esz, uint64_t at, size_t len) {
     seek(p, np, cur, at);
     if (cur->i >= np || !p[cur->i].ptr || at + len > cur->start + p[cur->i].count) return NULL;
     return (const char *)p[cur->i].ptr + (at - cur->start) * esz;
@@ -950,9 +953,9 @@ static const char *read_direct(const shm_piece *p, uint64_t np, cursor *cur, siz
 /* ReduceScatter: my slot holds, per step, piece j = chunk s of in's block j for every j != me; I reduce
  * block `me` alone (1/n of the work) from my own input and piece `me` of every peer's slot, in rank order.
  *   slot[me][b]:  | piece 0 | piece 1 | ... | piece n-1 |     piece j -> read by rank j only
- * My own block is read in place; only where it spans pieces (or zeros) is it assembled first, into the
+ * My own block is read in place; only where it crosses spans (or zeros) is it assembled first, into the
  * piece `me` of my slot, which no peer reads. */
-static int reduce_scatter(shm_comm *c, void *out, const shm_piece *in, uint64_t np, uint64_t count, int dtype,
+static int reduce_scatter(shm_comm *c, void *out, const shm_span *in, uint64_t np, uint64_t count, int dtype,
                           int op) {
     int st = begin_call(c, "reduce_scatter", count, (uint64_t)dtype, (uint64_t)op);
     if (st == SHM_OK) st = check_reduce_args(c, dtype, op);
@@ -967,12 +970,12 @@ static int reduce_scatter(shm_comm *c, void *out, const shm_piece *in, uint64_t 
         uint32_t b;
         if ((st = acquire_buf(c, &b)) != SHM_OK) return st;
         for (int j = 0; j < n; j++)
-            if (j != me) read_pieces(in, np, &cur[j], esz, slot(c, me, b) + (size_t)j * P * esz, j * count + off, len);
+            if (j != me) read_spans(in, np, &cur[j], esz, slot(c, me, b) + (size_t)j * P * esz, j * count + off, len);
         publish(c, 1);
         const char *mine = read_direct(in, np, &cur[me], esz, me * count + off, len);
         if (!mine) {
             mine = slot(c, me, b) + (size_t)me * P * esz;
-            read_pieces(in, np, &cur[me], esz, (char *)mine, me * count + off, len);
+            read_spans(in, np, &cur[me], esz, (char *)mine, me * count + off, len);
         }
         if ((st = wait_all(c, c->seq)) != SHM_OK) return st;
         for (int r = 0; r < n; r++) srcs[r] = r == me ? mine : slot(c, r, b) + (size_t)me * P * esz;
@@ -984,18 +987,21 @@ static int reduce_scatter(shm_comm *c, void *out, const shm_piece *in, uint64_t 
 }
 
 SHM_API int shm_comm_reduce_scatter(shm_comm *c, void *out, const void *in, uint64_t count, int dtype, int op) {
-    const shm_piece whole = {in, (uint64_t)c->nranks * count};
+    if (in == NULL && count > 0) return fail(c, SHM_EINVAL, "shm reduce_scatter: input is NULL");
+    const shm_span whole = {in, (uint64_t)c->nranks * count};
     return reduce_scatter(c, out, &whole, 1, count, dtype, op);
 }
 
-SHM_API int shm_comm_reduce_scatter_pieces(shm_comm *c, void *out, const shm_piece *pieces, uint64_t npieces,
+SHM_API int shm_comm_reduce_scatter_spans(shm_comm *c, void *out, const shm_span *spans, uint64_t nspans,
                                            uint64_t count, int dtype, int op) {
     uint64_t total = 0;
-    for (uint64_t i = 0; i < npieces; i++) total += pieces[i].count;
-    if (total != (uint64_t)c->nranks * count) /* checked before the call starts: no peer waits on this rank */
-        return fail(c, SHM_EINVAL, "shm reduce_scatter: the pieces hold %llu elements, not %d x %llu",
+    for (uint64_t i = 0; i < nspans; i++) total += spans[i].count;
+    /* Checked before begin_call, so this communicator stays usable (the call count does not move); the
+     * peers, already inside the call, still wait for this rank until their timeout. Python checks first. */
+    if (total != (uint64_t)c->nranks * count)
+        return fail(c, SHM_EINVAL, "shm reduce_scatter: the spans hold %llu elements, not %d x %llu",
                     (unsigned long long)total, c->nranks, (unsigned long long)count);
-    return reduce_scatter(c, out, pieces, npieces, count, dtype, op);
+    return reduce_scatter(c, out, spans, nspans, count, dtype, op);
 }
 
 /* One-phase AllReduce for small messages: every rank reduces the whole chunk from all slots; n x the

@@ -55,13 +55,13 @@ int shm_comm_set_wait(shm_comm *comm, int patient);
 int shm_comm_all_gather(shm_comm *comm, void *out, const void *in, uint64_t nbytes);
 /* out[count] <- reduction over ranks of block `index` of in[nranks * count]. */
 int shm_comm_reduce_scatter(shm_comm *comm, void *out, const void *in, uint64_t count, int dtype, int op);
-/* The same, with the input given as pieces laid end to end (ptr NULL = `count` zeros); their counts must
- * add up to nranks * count. The pieces are read in place (see [Note: shm pieces]). */
+/* The same, with the input given as spans laid end to end (ptr NULL = `count` zeros); their counts must
+ * add up to nranks * count. The spans are read in place (see [Note: shm spans]). */
 typedef struct {
     const void *ptr;
     uint64_t count;
-} shm_piece;
-int shm_comm_reduce_scatter_pieces(shm_comm *comm, void *out, const shm_piece *pieces, uint64_t npieces,
+} shm_span;
+int shm_comm_reduce_scatter_spans(shm_comm *comm, void *out, const shm_span *spans, uint64_t nspans,
                                    uint64_t count, int dtype, int op);
 /* buf[count] <- reduction over ranks of buf[count], in place. */
 int shm_comm_all_reduce(shm_comm *comm, void *buf, uint64_t count, int dtype, int op);

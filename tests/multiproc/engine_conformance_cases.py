@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import shardpar.api as api
-from shardpar.collectives import Engine, Group, NativeEngine, Piece, ReduceOp, make_engine
+from shardpar.collectives import Engine, Group, NativeEngine, ReduceOp, Span, make_engine
 from tests.multiproc.parity import run_parity
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -119,16 +119,16 @@ def _reduce_scatter(engine: Engine, group: Group, rank: int, dtype: torch.dtype,
     return ok
 
 
-def _reduce_scatter_pieces(engine: Engine, group: Group, rank: int, dtype: torch.dtype, numel: int) -> bool:
-    """The input cut into a slice, a run of zeros and the rest (a piece per row boundary it crosses):
-    the same bits as reduce_scatter of the tensor the pieces stand for, on the same engine."""
+def _reduce_scatter_spans(engine: Engine, group: Group, rank: int, dtype: torch.dtype, numel: int) -> bool:
+    """The input cut into a slice, a run of zeros and the rest in spans of `numel` (not at row bounds):
+    the same bits as reduce_scatter of the tensor the spans stand for, on the same engine."""
     x = _input(rank, numel * group.size, dtype, 4)
     a, k = x.numel() // 3, min(5, x.numel() - x.numel() // 3)
-    pieces: list[Piece] = [x[:a], k, *x[a + k :].split(max(1, numel))]
+    spans: list[Span] = [x[:a], k, *x[a + k :].split(max(1, numel))]
     equal = x.clone()
     equal[a : a + k] = 0
     got, want = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
-    engine.reduce_scatter_pieces(got, pieces, group, op=ReduceOp.AVG, async_op=True).wait()
+    engine.reduce_scatter_spans(got, spans, group, op=ReduceOp.AVG, async_op=True).wait()
     engine.reduce_scatter(want, equal, group, op=ReduceOp.AVG)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     return torch.equal(got.view(bits), want.view(bits))
@@ -149,7 +149,7 @@ def _broadcast(engine: Engine, group: Group, rank: int, dtype: torch.dtype, nume
 
 
 CHECKS: dict[str, Callable[[Engine, Group, int, torch.dtype, int], bool]] = {
-    "reduce_scatter_pieces": _reduce_scatter_pieces,
+    "reduce_scatter_spans": _reduce_scatter_spans,
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,
     "all_reduce": _all_reduce,

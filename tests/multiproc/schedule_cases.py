@@ -230,7 +230,7 @@ def rank_dependent_branch_case(layouts: list[tuple[int, int, int]]) -> list[dict
     return [_branch_run(sdp, bucket, mode) for sdp, bucket, mode in layouts]
 
 
-def zero_pieces_case(layouts: list[tuple[str, int]]) -> list[dict[str, Any]]:
+def zero_spans_case(layouts: list[tuple[str, int]]) -> list[dict[str, Any]]:
     """sdp 2: block 1 gets no gradient on any rank (BranchyMLP mode 3 everywhere) and blocks.0.up.weight
     is frozen, so some units reduce zeros for whole parameters, besides their padding. Per (engine,
     bucket size): max abs diff against one process, and whether the grads were read in place

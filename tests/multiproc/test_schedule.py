@@ -119,12 +119,12 @@ def test_units_without_grads_on_one_rank_still_line_up(ranks) -> None:
         assert r["param"] <= 1e-6, r
 
 
-def test_zero_pieces_for_missing_and_frozen_grads_at_sdp2(ranks) -> None:
+def test_zero_spans_for_missing_and_frozen_grads_at_sdp2(ranks) -> None:
     """sdp 2, a unit without gradients on every rank and a frozen weight inside another: the zeros line
     up whether the engine reads the grads in place (smddp) or packs a bucket (native), one bucket or
     one per unit; parameters match one process."""
     layouts = [("smddp", int(5e8)), ("smddp", 1), ("nccl", int(5e8)), ("nccl", 1)]
-    results = ranks.run(2, cases.zero_pieces_case, layouts)[0]
+    results = ranks.run(2, cases.zero_spans_case, layouts)[0]
     assert [r["in_place"] for r in results] == [True, True, False, False], results
     for r in results:
         assert r["param"] <= 1e-6, r

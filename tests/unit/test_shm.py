@@ -165,21 +165,21 @@ def _reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
     return acc.to(inputs[0].dtype)
 
 
-def _as_pieces(x: torch.Tensor, seed: int) -> tuple[list[torch.Tensor | int], torch.Tensor]:
-    """x cut at random points into pieces (some empty), every third one replaced by a zero count: the
-    pieces, and the tensor they stand for (x with those ranges zeroed)."""
+def _as_spans(x: torch.Tensor, seed: int) -> tuple[list[torch.Tensor | int], torch.Tensor]:
+    """x cut at random points into spans (some empty), every third one replaced by a zero count: the
+    spans, and the tensor they stand for (x with those ranges zeroed)."""
     g = torch.Generator().manual_seed(seed)
     cuts = sorted(torch.randint(0, x.numel() + 1, (7,), generator=g).tolist())
     bounds = [0, *cuts, x.numel()]
-    pieces: list[torch.Tensor | int] = []
+    spans: list[torch.Tensor | int] = []
     equal = x.clone()
     for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         if i % 3 == 1:
-            pieces.append(hi - lo)
+            spans.append(hi - lo)
             equal[lo:hi] = 0
         else:
-            pieces.append(x[lo:hi])
-    return pieces, equal
+            spans.append(x[lo:hi])
+    return spans, equal
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -276,16 +276,16 @@ def test_single_rank_communicator_and_argument_errors() -> None:
         comm.barrier()
         with pytest.raises(ValueError, match="must be 1 x"):
             comm.all_gather(torch.empty(5), x)
-        comm.reduce_scatter_pieces(out, [x[:10], 0, 5, x[15:]], "sum")
+        comm.reduce_scatter_spans(out, [x[:10], 0, 5, x[15:]], "sum")
         assert torch.equal(out, torch.cat([x[:10], torch.zeros(5), x[15:]]))
         with pytest.raises(ValueError, match="hold 1000 elements but must hold 1 x"):
-            comm.reduce_scatter_pieces(out, [x[:999], 1])
-        with pytest.raises(ValueError, match=r"pieces\[1\] is torch.bfloat16"):
-            comm.reduce_scatter_pieces(out, [x[:1000], x[:1].bfloat16()])
-        with pytest.raises(ValueError, match=r"pieces\[0\] overlaps out"):
-            comm.reduce_scatter_pieces(out, [out])
+            comm.reduce_scatter_spans(out, [x[:999], 1])
+        with pytest.raises(ValueError, match=r"spans\[1\] is torch.bfloat16"):
+            comm.reduce_scatter_spans(out, [x[:1000], x[:1].bfloat16()])
+        with pytest.raises(ValueError, match=r"spans\[0\] overlaps out"):
+            comm.reduce_scatter_spans(out, [out])
         with pytest.raises(ValueError, match="asks for -1 zeros"):
-            comm.reduce_scatter_pieces(out, [x, -1, 1])
+            comm.reduce_scatter_spans(out, [x, -1, 1])
         with pytest.raises(ValueError, match="contiguous CPU tensor"):
             comm.all_reduce(torch.randn(4, 4).t())
         with pytest.raises(TypeError, match="not reducible"):
@@ -330,10 +330,10 @@ def _check_sizes(comm: shm.ShmComm, index: int, size: int, numel: int, dtype: to
         t = xs[index].clone()
         comm.all_reduce(t, op)
         check(f"all_reduce {op}", t, want)
-        cut = [_as_pieces(x, seed + r) for r, x in enumerate(xs)]
-        comm.reduce_scatter_pieces(part, cut[index][0], op)
+        cut = [_as_spans(x, seed + r) for r, x in enumerate(xs)]
+        comm.reduce_scatter_spans(part, cut[index][0], op)
         want = _reference([equal for _, equal in cut], op)
-        check(f"reduce_scatter_pieces {op}", part, want[index * numel : (index + 1) * numel])
+        check(f"reduce_scatter_spans {op}", part, want[index * numel : (index + 1) * numel])
     return problems
 
 
@@ -376,10 +376,10 @@ def _check_large(comm: shm.ShmComm, index: int, size: int, seed: int) -> list[st
     comm.reduce_scatter(part, hs[index], "avg")
     want = _reference(hs, "avg")[index * 2 * numel :][: 2 * numel]
     problems.append(("reduce_scatter bf16 avg", _mismatch(part, want)))
-    cut = [_as_pieces(h, seed + r) for r, h in enumerate(hs)]
-    comm.reduce_scatter_pieces(part, cut[index][0], "avg")
+    cut = [_as_spans(h, seed + r) for r, h in enumerate(hs)]
+    comm.reduce_scatter_spans(part, cut[index][0], "avg")
     want = _reference([equal for _, equal in cut], "avg")[index * 2 * numel :][: 2 * numel]
-    problems.append(("reduce_scatter_pieces bf16 avg", _mismatch(part, want)))
+    problems.append(("reduce_scatter_spans bf16 avg", _mismatch(part, want)))
     ints = _inputs(size, 2 * MiB + 1, torch.int64, seed)[size - 1]  # 16 MiB + 8 bytes
     b = ints.clone() if index == size - 1 else torch.zeros_like(ints)
     comm.broadcast(b, size - 1)
