@@ -25,19 +25,35 @@ from shardpar.collectives.base import (
 
 
 class NativeWork:
-    """Wraps a torch.distributed Work; finishes an AVG that the backend could only do as SUM."""
+    """Wraps a torch.distributed Work; finishes an AVG that the backend could only do as SUM.
 
-    def __init__(self, work: Any, *, timeout_s: float, finish: Any = None) -> None:
+    [Note: waits on the device]
+    A CPU collective (gloo) is done when `wait` returns, and `wait` bounds it with the engine's
+    timeout. A CUDA one (NCCL) runs on NCCL's own stream: waiting means making the current stream wait
+    on its end event, so the host goes on queueing kernels while the collective and the compute before
+    it overlap on the device -- the side stream and event of FSDP's overlap. torch's
+    `Work.wait(timeout)` on NCCL instead blocks the host until the collective finished on the GPU,
+    which would serialise every prefetch with the host, so a device-side work waits without one; its
+    deadline is the process group's timeout (shardpar passes `timeout_s` to init_process_group and
+    new_group), enforced by NCCL's watchdog, which turns a dead peer into an error. An explicit
+    `timeout` still blocks the host, as torch does.
+    """
+
+    def __init__(self, work: Any, *, timeout_s: float, finish: Any = None, on_device: bool = False) -> None:
         self._work = work
         self._timeout_s = timeout_s
         self._finish = finish
+        self._on_device = on_device
         self._done = False
 
     def wait(self, timeout: float | None = None) -> None:
         if self._done:
             return
-        seconds = self._timeout_s if timeout is None else timeout
-        self._work.wait(datetime.timedelta(seconds=seconds))
+        if self._on_device and timeout is None:
+            self._work.wait()  # stream-ordered, see [Note: waits on the device]
+        else:
+            seconds = self._timeout_s if timeout is None else timeout
+            self._work.wait(datetime.timedelta(seconds=seconds))
         if self._finish is not None:
             self._finish()
         self._done = True
@@ -52,9 +68,12 @@ class _AllOf:
     def __init__(self, works: list[Any]) -> None:
         self._works = works
 
-    def wait(self, timeout: datetime.timedelta) -> None:
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
         for work in self._works:
-            work.wait(timeout)
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
@@ -68,10 +87,11 @@ class NativeEngine:
     def __init__(self, *, timeout_s: float = 300.0) -> None:
         self.timeout_s = timeout_s
 
-    def _run(self, group: Group, launch: Any, async_op: bool, finish: Any = None) -> Work:
+    def _run(self, group: Group, launch: Any, async_op: bool, finish: Any = None, *, on: torch.Tensor) -> Work:
+        """Launch a collective on the tensor `on`; a CUDA one is waited for on the device."""
         if group.handle is None:
             raise AssertionError(f"this rank is not a member of {group.kind} group {group.ranks}")
-        work = NativeWork(launch(), timeout_s=self.timeout_s, finish=finish)
+        work = NativeWork(launch(), timeout_s=self.timeout_s, finish=finish, on_device=on.is_cuda)
         if not async_op:
             work.wait()
             return CompletedWork()
@@ -83,7 +103,10 @@ class NativeEngine:
             output.copy_(input)
             return CompletedWork()
         return self._run(
-            group, lambda: dist.all_gather_single(output, input, group=group.handle, async_op=True), async_op
+            group,
+            lambda: dist.all_gather_single(output, input, group=group.handle, async_op=True),
+            async_op,
+            on=output,
         )
 
     def all_gather_mesh(
@@ -103,7 +126,7 @@ class NativeEngine:
             if peer != me:
                 ops.append(dist.P2POp(dist.isend, input, peer, group=group.handle))
                 ops.append(dist.P2POp(dist.irecv, blocks[index], peer, group=group.handle))
-        return self._run(group, lambda: _AllOf(dist.batch_isend_irecv(ops)), async_op)
+        return self._run(group, lambda: _AllOf(dist.batch_isend_irecv(ops)), async_op, on=output)
 
     def reduce_scatter(
         self,
@@ -124,6 +147,7 @@ class NativeEngine:
             lambda: dist.reduce_scatter_single(output, input, op=torch_op, group=group.handle, async_op=True),
             async_op,
             finish,
+            on=output,
         )
 
     def reduce_scatter_spans(
@@ -148,7 +172,11 @@ class NativeEngine:
             return CompletedWork()
         torch_op, finish = self._reduce_op(op, tensor, group)
         return self._run(
-            group, lambda: dist.all_reduce(tensor, op=torch_op, group=group.handle, async_op=True), async_op, finish
+            group,
+            lambda: dist.all_reduce(tensor, op=torch_op, group=group.handle, async_op=True),
+            async_op,
+            finish,
+            on=tensor,
         )
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False) -> Work:
@@ -156,7 +184,9 @@ class NativeEngine:
             raise ValueError(f"broadcast: src rank {src} is not in {group.kind} group {group.ranks}")
         if group.size == 1:
             return CompletedWork()
-        return self._run(group, lambda: dist.broadcast(tensor, src=src, group=group.handle, async_op=True), async_op)
+        return self._run(
+            group, lambda: dist.broadcast(tensor, src=src, group=group.handle, async_op=True), async_op, on=tensor
+        )
 
     def barrier(self, group: Group) -> None:
         if group.size == 1:
