@@ -17,7 +17,7 @@ per meta storage:
 
 Views need no record: a view shares its base's storage, so a tensor is found by its storage and its
 own (size, stride, offset) picks the view out of the replayed base (`as_strided`). Tensor arguments
-are stored as `_Ref(root, geometry, num_ops)`: the value of that view after the root's first
+are stored as `Ref(root, geometry, num_ops)`: the value of that view after the root's first
 `num_ops` log entries, which makes `copy_` from a tensor that is changed later replay correctly.
 
 Random ops carry the default CPU generator's state from just before them (`bytes`, 5056 B) and are
@@ -37,7 +37,8 @@ A meta tensor made outside the context (accelerate's `init_empty_weights`) has n
 `record_init()` gives it one after the fact by running an init function (an HF model's
 `initialize_weights`) on it under the same recorder.
 
-The table from storage to root is the one piece of process-wide state in this file: it is weak in
+The records and their replay live in deferred_record.py; this file is the recorder. The table from
+storage to root (`deferred_record.ROOTS`) is the one piece of process-wide state of the two: it is weak in
 the storage, so a record lives exactly as long as some tensor on its storage (or a record that
 depends on it) does.
 """
@@ -45,11 +46,9 @@ depends on it) does.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -59,7 +58,31 @@ from torch._ops import OpOverload
 from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils.weak import WeakIdKeyDictionary
+
+from shardpar.deferred_record import (
+    ROOTS,
+    Call,
+    Const,
+    GenState,
+    Geometry,
+    RecordStats,
+    Ref,
+    Root,
+    is_deferred,
+    materialize,
+    materialize_by_reset,
+    record_stats,
+)
+
+__all__ = [
+    "RecordStats",
+    "deferred_init",
+    "is_deferred",
+    "materialize",
+    "materialize_by_reset",
+    "record_init",
+    "record_stats",
+]
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
@@ -107,63 +130,11 @@ _META_SKIPPING_INITS = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dir
 _DATA_READS = frozenset({aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default})
 
 
-@dataclass(frozen=True)
-class _Geometry:
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
-
-    @staticmethod
-    def of(t: torch.Tensor) -> _Geometry:
-        return _Geometry(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One recorded aten call; tensor arguments are `_Ref`/`_Const`, meta devices `_META`."""
-
-    func: Callable[..., Any]  # an aten op, or a torch.nn.init function run as one op
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    rng_state: bytes | None  # default CPU generator state just before a random op
-
-
-@dataclass(eq=False)
-class _Root:
-    """Everything that wrote one meta storage; see [Note: deferred init record]."""
-
-    creation: _Call | None  # None: a meta storage made outside deferred_init(), values unknown
-    out_index: int
-    geometry: _Geometry
-    log: list[_Call] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _Ref:
-    root: _Root
-    geometry: _Geometry
-    num_ops: int
-
-
-@dataclass(frozen=True)
-class _Const:
-    tensor: torch.Tensor  # a real tensor argument, kept by reference
-
-
-@dataclass(frozen=True)
-class _GenState:
-    state: bytes  # an explicit torch.Generator argument, as it was before the op
-
-
-_ROOTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # UntypedStorage -> _Root
-
-
-def _root_of(t: torch.Tensor) -> _Root:
+def _root_of(t: torch.Tensor) -> Root:
     storage = t.untyped_storage()
-    root = _ROOTS.get(storage)
+    root = ROOTS.get(storage)
     if root is None:  # a meta tensor from outside the context: record what is done to it, replay refuses
-        root = _ROOTS[storage] = _Root(creation=None, out_index=0, geometry=_Geometry.of(t))
+        root = ROOTS[storage] = Root(creation=None, out_index=0, geometry=Geometry.of(t))
     return root
 
 
@@ -171,10 +142,10 @@ def _to_record(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         if x.is_meta:
             root = _root_of(x)
-            return _Ref(root, _Geometry.of(x), len(root.log))
-        return _Const(x)
+            return Ref(root, Geometry.of(x), len(root.log))
+        return Const(x)
     if isinstance(x, torch.Generator):
-        return _GenState(bytes(x.get_state().numpy()))
+        return GenState(bytes(x.get_state().numpy()))
     if isinstance(x, torch.device) and x.type == "meta":
         return _META
     return x
@@ -215,7 +186,7 @@ def _take_rng(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     return state
 
 
-def _append(call: _Call, mutated: list[torch.Tensor]) -> None:
+def _append(call: Call, mutated: list[torch.Tensor]) -> None:
     for root in {id(r): r for r in map(_root_of, mutated)}.values():
         root.log.append(call)
 
@@ -227,11 +198,11 @@ def _record(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     is_factory = not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs)))
     if is_factory and "dtype" in rec_kwargs and rec_kwargs["dtype"] is None and isinstance(out, torch.Tensor):
         rec_kwargs = {**rec_kwargs, "dtype": out.dtype}  # pin the default dtype of the moment
-    call = _Call(func, rec_args, rec_kwargs, rng_state)
+    call = Call(func, rec_args, rec_kwargs, rng_state)
     _append(call, _mutated_tensors(func, args, kwargs))
     for i, t in enumerate(pytree.tree_leaves(out)):
-        if isinstance(t, torch.Tensor) and t.is_meta and t.untyped_storage() not in _ROOTS:
-            _ROOTS[t.untyped_storage()] = _Root(creation=call, out_index=i, geometry=_Geometry.of(t))
+        if isinstance(t, torch.Tensor) and t.is_meta and t.untyped_storage() not in ROOTS:
+            ROOTS[t.untyped_storage()] = Root(creation=call, out_index=i, geometry=Geometry.of(t))
     return out
 
 
@@ -247,7 +218,7 @@ def _opaque_init(original: Callable[..., Any]) -> Callable[..., Any]:
         if not (tensor.is_meta and _recording()):
             return original(tensor, *args, **kwargs)
         rec_args, rec_kwargs = pytree.tree_map(_to_record, ((tensor, *args), kwargs))
-        _append(_Call(original, rec_args, rec_kwargs, _take_rng(original, (tensor, *args), kwargs)), [tensor])
+        _append(Call(original, rec_args, rec_kwargs, _take_rng(original, (tensor, *args), kwargs)), [tensor])
         return tensor
 
     return deferred
@@ -299,7 +270,7 @@ def _defer_registered(module: nn.Module, name: str, tensor: torch.Tensor | None)
     """Registration hook: a real tensor that becomes a parameter/buffer is recorded and replaced by meta."""
     if tensor is None or tensor.is_meta:
         return None
-    deferred = tensor.detach().to(_META)  # recorded as _to_copy(_Const(tensor))
+    deferred = tensor.detach().to(_META)  # recorded as _to_copy(Const(tensor))
     if isinstance(tensor, nn.Parameter):
         return nn.Parameter(deferred, requires_grad=tensor.requires_grad)
     return deferred
@@ -329,146 +300,6 @@ def deferred_init() -> Iterator[None]:
             handle.remove()
 
 
-def is_deferred(tensor: torch.Tensor) -> bool:
-    """True for a meta tensor whose value `materialize()` can rebuild."""
-    if not tensor.is_meta:
-        return False
-    root = _ROOTS.get(tensor.untyped_storage())
-    return root is not None and root.creation is not None
-
-
-def _view(base: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
-    if geometry.dtype != base.dtype:
-        raise ValueError(
-            f"a deferred tensor of dtype {geometry.dtype} views a storage created as {base.dtype} "
-            "(tensor.view(dtype)); deferred_init() cannot replay dtype-reinterpreting views, create the tensor "
-            "outside deferred_init() or with its final dtype"
-        )
-    return base.as_strided(geometry.size, geometry.stride, geometry.offset)
-
-
-def _with_geometry(real: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
-    """`real` laid out as the meta output was, so later `as_strided` views land on the same elements."""
-    if _Geometry.of(real) == geometry:
-        return real
-    span = 1 + geometry.offset + sum(max(n - 1, 0) * s for n, s in zip(geometry.size, geometry.stride, strict=True))
-    fresh = torch.empty(span, dtype=geometry.dtype, device=_CPU)
-    return _view(fresh, geometry).copy_(real)
-
-
-@dataclass(frozen=True)
-class _Replaying:
-    root: _Root
-    num_ops: int
-    base: torch.Tensor
-
-
-def _resolve(x: Any, current: _Replaying | None) -> Any:
-    if isinstance(x, _Ref):
-        if current is not None and x.root is current.root and x.num_ops == current.num_ops:
-            return _view(current.base, x.geometry)
-        return _view(_replay(x.root, x.num_ops), x.geometry)
-    if isinstance(x, _Const):
-        return x.tensor
-    if isinstance(x, _GenState):
-        gen = torch.Generator(device=_CPU)
-        gen.set_state(torch.frombuffer(bytearray(x.state), dtype=torch.uint8))
-        return gen
-    if isinstance(x, torch.device) and x.type == "meta":
-        return _CPU
-    return x
-
-
-def _run(call: _Call, current: _Replaying | None) -> Any:
-    args, kwargs = pytree.tree_map(lambda x: _resolve(x, current), (call.args, call.kwargs))
-    if call.rng_state is None:
-        return call.func(*args, **kwargs)
-    saved = torch.get_rng_state()
-    torch.set_rng_state(torch.frombuffer(bytearray(call.rng_state), dtype=torch.uint8))
-    try:
-        return call.func(*args, **kwargs)
-    finally:
-        torch.set_rng_state(saved)
-
-
-def _not_recorded() -> ValueError:
-    return ValueError(
-        "this meta tensor was not created under shardpar's deferred_init() (e.g. accelerate's "
-        "init_empty_weights(), torch.device('meta'), or a cast/copy made after the context), so its values were "
-        "never recorded; build (and cast) the model under deferred_init(), or use materialize_by_reset(module, name)"
-    )
-
-
-def _replay(root: _Root, num_ops: int) -> torch.Tensor:
-    """A real CPU tensor laid out like `root`'s storage after its first `num_ops` log entries."""
-    if root.creation is None:
-        raise _not_recorded()
-    out = pytree.tree_leaves(_run(root.creation, None))[root.out_index]
-    base = _with_geometry(out, root.geometry)
-    for i, call in enumerate(root.log[:num_ops]):
-        _run(call, _Replaying(root, i, base))
-    return base
-
-
-def materialize(tensor: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The full value of a deferred tensor, equal bit for bit to a normal CPU init's; see [Note: deferred init record].
-
-    Replays the tensor's recorded ops (and those of tensors it was copied from) on CPU, then moves the
-    result to `device`. Peak memory is the tensor's storage plus whatever its dependencies need, freed
-    on return. Returns a plain tensor (not a Parameter, `requires_grad=False`); the global RNG is left
-    untouched. Raises ValueError for a tensor that `is_deferred()` rejects.
-    """
-    if not tensor.is_meta:
-        raise ValueError(f"materialize() needs a meta tensor from deferred_init(); got one on {tensor.device}")
-    root = _ROOTS.get(tensor.untyped_storage())
-    if root is None:
-        raise _not_recorded()
-    with torch.no_grad():
-        base = _replay(root, len(root.log))
-        out = _view(base, _Geometry.of(tensor))
-        if out.numel() * out.element_size() < base.untyped_storage().nbytes():
-            out = out.clone()  # a view of a larger storage: do not keep the whole storage alive
-        return out.to(device)
-
-
-@dataclass(frozen=True)
-class RecordStats:
-    """What the records behind some deferred tensors hold (dependencies included)."""
-
-    num_roots: int
-    num_ops: int
-    num_rng_states: int
-    rng_state_bytes: int
-    num_real_tensors: int
-    max_real_numel: int
-
-
-def record_stats(tensors: Iterable[torch.Tensor]) -> RecordStats:
-    """Walk the records of `tensors` and count what they keep alive; for memory checks and logs."""
-    seen: dict[int, _Root] = {}
-    todo = [_ROOTS[t.untyped_storage()] for t in tensors if is_deferred(t)]
-    calls: list[_Call] = []
-    while todo:
-        root = todo.pop()
-        if id(root) in seen:
-            continue
-        seen[id(root)] = root
-        root_calls = ([root.creation] if root.creation else []) + root.log
-        calls += root_calls
-        todo += [x.root for c in root_calls for x in pytree.tree_leaves((c.args, c.kwargs)) if isinstance(x, _Ref)]
-    unique = {id(c): c for c in calls}.values()
-    consts = {id(x): x.tensor for c in unique for x in pytree.tree_leaves((c.args, c.kwargs)) if isinstance(x, _Const)}
-    states = [c.rng_state for c in unique if c.rng_state is not None]
-    return RecordStats(
-        num_roots=len(seen),
-        num_ops=len(unique),
-        num_rng_states=len(states),
-        rng_state_bytes=sum(map(len, states)),
-        num_real_tensors=len(consts),
-        max_real_numel=max((t.numel() for t in consts.values()), default=0),
-    )
-
-
 def record_init(tensors: Iterable[torch.Tensor], init: Callable[[], object], *, seed: int) -> list[torch.Tensor]:
     """Give meta tensors made outside `deferred_init()` (accelerate's `init_empty_weights()`,
     `torch.device("meta")`) a record by running `init` on them under the recorder, e.g. an HF model's
@@ -487,58 +318,19 @@ def record_init(tensors: Iterable[torch.Tensor], init: Callable[[], object], *, 
     candidates: list[torch.Tensor] = []
     for t in tensors:
         storage = t.untyped_storage() if t.is_meta else None
-        root = _ROOTS.get(storage) if storage is not None else None
+        root = ROOTS.get(storage) if storage is not None else None
         if storage is None or (root is not None and (root.creation is not None or root.log)):
             continue  # real, deferred already, or written outside a recorder: nothing we could replay
         if root is None or root.creation is None:
             numel = storage.nbytes() // t.element_size()
-            creation = _Call(aten.empty.memory_format, ([numel],), {"dtype": t.dtype, "device": _META}, None)
-            _ROOTS[storage] = _Root(creation=creation, out_index=0, geometry=_Geometry((numel,), (1,), 0, t.dtype))
+            creation = Call(aten.empty.memory_format, ([numel],), {"dtype": t.dtype, "device": _META}, None)
+            ROOTS[storage] = Root(creation=creation, out_index=0, geometry=Geometry((numel,), (1,), 0, t.dtype))
         candidates.append(t)
     with torch.no_grad(), torch.random.fork_rng(devices=[]), _patched_meta_skipping_inits(), _RecordingMode():
         torch.manual_seed(seed)
         init()
-    written = [t for t in candidates if _ROOTS[t.untyped_storage()].log]
+    written = [t for t in candidates if ROOTS[t.untyped_storage()].log]
     for t in candidates:
-        if not _ROOTS[t.untyped_storage()].log:
-            _ROOTS.pop(t.untyped_storage(), None)  # back to "not recorded"
+        if not ROOTS[t.untyped_storage()].log:
+            ROOTS.pop(t.untyped_storage(), None)  # back to "not recorded"
     return written
-
-
-def materialize_by_reset(
-    module: nn.Module, name: str, *, device: torch.device | str = "cpu", seed: int | None = None
-) -> torch.Tensor:
-    """Fallback for meta tensors with no record (accelerate's `init_empty_weights()`, `torch.device("meta")`).
-
-    Runs the owning submodule's `reset_parameters()` on fresh real copies of that submodule's own
-    parameters and buffers (children stay meta and untouched) and returns the one named `name`.
-    The values therefore match only the module's *own* init (e.g. kaiming-uniform for nn.Linear),
-    NOT an HF model's `_init_weights` (normal(0, initializer_range), scaled residual projections,
-    ...), and not a normal construction's RNG sequence. Each call resets the whole submodule once, so
-    holds that submodule's direct tensors in full. Randomness comes from the global CPU RNG (advanced)
-    or, with `seed`, from a forked RNG seeded with it: pass one so that every rank builds the same
-    values before keeping its shard.
-    """
-    owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name)
-    if not callable(getattr(owner, "reset_parameters", None)):
-        raise ValueError(
-            f"{name!r} belongs to {type(owner).__name__} ({owner_name or 'the root module'}), which has no "
-            "reset_parameters(), so its values cannot be rebuilt; build the model under deferred_init() instead"
-        )
-    if leaf not in owner._parameters and leaf not in owner._buffers:
-        raise ValueError(f"{name!r} is not a direct parameter or buffer of {type(owner).__name__}")
-    scratch = copy.copy(owner)  # shallow: own tensor tables, so the model's Parameters stay untouched
-    scratch._parameters = {
-        k: None if p is None else nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-        for k, p in owner._parameters.items()
-    }
-    scratch._buffers = {k: None if b is None else torch.empty_like(b, device=device) for k, b in owner._buffers.items()}
-    with torch.no_grad(), torch.random.fork_rng(devices=[], enabled=seed is not None):
-        if seed is not None:
-            torch.manual_seed(seed)
-        scratch.reset_parameters()  # type: ignore[operator]
-    out = scratch._parameters[leaf] if leaf in scratch._parameters else scratch._buffers[leaf]
-    if out is None:
-        raise ValueError(f"{name!r} is None on {type(owner).__name__}; there is nothing to materialise")
-    return out.detach()
