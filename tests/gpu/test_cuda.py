@@ -39,3 +39,31 @@ def test_world_one_on_cuda_matches_plain_pytorch(monkeypatch, knobs: dict) -> No
         assert all(u.main_shard.is_cuda for u in model.units)
     finally:
         smp.shutdown()
+
+
+def test_native_wait_on_cuda_does_not_block_the_host(monkeypatch) -> None:
+    """[Note: waits on the device]: waiting for an NCCL collective queued behind ~1 s of GPU work
+    returns at once (the stream waits, not the host); an explicit timeout still blocks the host."""
+    import time
+
+    import torch.distributed as dist
+
+    from shardpar.collectives import Group, NativeEngine
+
+    for var in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    smp.init({})
+    try:
+        group, engine = Group("test", (0,), handle=dist.group.WORLD), NativeEngine(timeout_s=60)
+        for timeout, blocks in ((None, False), (30.0, True)):
+            t = torch.ones(1, device="cuda")
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the current stream
+            work = engine._run(group, lambda t=t: dist.all_reduce(t, group=group.handle, async_op=True), True, on=t)
+            start = time.perf_counter()
+            work.wait(timeout)
+            waited = time.perf_counter() - start
+            torch.cuda.synchronize()
+            assert (waited > 0.2) == blocks, (timeout, waited)
+            assert t.item() == 1.0
+    finally:
+        smp.shutdown()
