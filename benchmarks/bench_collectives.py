@@ -3,7 +3,9 @@
 
     busbw = algbw * (n-1)/n        all_gather, reduce_scatter   (size = the large, gathered buffer)
     busbw = algbw * 2(n-1)/n       all_reduce
-    algbw = size / time            time = median over 5 rounds of the slowest rank's mean over a loop
+    algbw = size / time            time = median over 7 rounds of the slowest rank's mean over a loop
+                                   of >= 0.1 s after the engine's own barrier; the engines alternate
+                                   round by round
 
     .venv/bin/python benchmarks/bench_collectives.py                       # 2 and 4 ranks, 4 KiB..64 MiB
     .venv/bin/python benchmarks/bench_collectives.py --ranks 2 --ops all_gather --max-mib 4
@@ -65,34 +67,65 @@ def _copy_gbps(nbytes: int, rounds: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def _time_op(engine, op: str, size: int, group) -> float:  # type: ignore[no-untyped-def]
+ROUNDS = 7
+# Each round loops a call at least this long, after a barrier of the engine being timed. Timed singly
+# after a gloo barrier, a call also measured the ranks' skew leaving that barrier (up to several ms
+# with 4 ranks on 2 cores), which only the fast engine notices.
+ROUND_SECONDS = 0.1
+
+
+class _Timed:
+    """One `op` of `size` bytes on `engine` (None: the copy floor), on fixed buffers, and the barrier
+    that lines the ranks up before it is timed (the engine's own, so its ranks leave it together)."""
+
+    def __init__(self, engine, op: str, size: int, group) -> None:  # type: ignore[no-untyped-def]
+        import torch.distributed as dist
+
+        from shardpar.collectives import ReduceOp, shm
+
+        n = group.size
+        big = torch.randn(size // 4)
+        small = torch.randn(size // 4 // n)
+        other = torch.empty_like(big) if op == "copy" else big
+        self.run = {
+            "all_gather": lambda: engine.all_gather(big, small, group),
+            "reduce_scatter": lambda: engine.reduce_scatter(small, big, group, op=ReduceOp.SUM),
+            "all_reduce": lambda: engine.all_reduce(big, group),
+            "copy": lambda: shm.stream_copy(other, big),  # the floor: every rank copies `size` bytes at once
+        }[op]
+        self.align = (lambda: dist.barrier()) if engine is None else (lambda: engine.barrier(group))
+
+
+def _loop_seconds(call: _Timed, iters: int) -> float:
+    """Mean seconds per call over `iters` back-to-back calls, the slowest rank's, after a barrier."""
     import torch.distributed as dist
 
-    from shardpar.collectives import ReduceOp, shm
+    call.align()  # line the ranks up; not timed
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call.run()
+    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
 
-    n = group.size
-    big = torch.randn(size // 4)
-    small = torch.randn(size // 4 // n)
-    other = torch.empty_like(big) if op == "copy" else big
-    call = {
-        "all_gather": lambda: engine.all_gather(big, small, group),
-        "reduce_scatter": lambda: engine.reduce_scatter(small, big, group, op=ReduceOp.SUM),
-        "all_reduce": lambda: engine.all_reduce(big, group),
-        "copy": lambda: shm.stream_copy(other, big),  # the floor: every rank copies `size` bytes at once
-    }[op]
-    call()
-    iters = max(1, min(50, (16 << 20) // size))
-    times = []
-    flag = torch.zeros(1)
-    for _ in range(5):
-        dist.all_reduce(flag)  # line the ranks up; not timed
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            call()
-        elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
-    return statistics.median(times)
+
+def _time_interleaved(calls: dict[str, _Timed]) -> dict[str, float]:
+    """Median seconds per call for each named call, measured in alternating rounds so that the
+    machine's drift (2x within minutes on this VM) hits every engine alike. Each round loops its call
+    for about ROUND_SECONDS; every rank uses the slowest rank's first-call time, so all agree on
+    the loop count."""
+    import torch.distributed as dist
+
+    iters = {}
+    for name, call in calls.items():
+        first = torch.tensor([_loop_seconds(call, 1)], dtype=torch.float64)  # also the warm-up
+        dist.all_reduce(first, op=dist.ReduceOp.MAX)
+        iters[name] = max(1, min(200, int(ROUND_SECONDS / max(float(first), 1e-6))))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            times[name].append(_loop_seconds(call, iters[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 Row = tuple[str, str, int, float, str]  # engine, op, size, seconds, fallback reasons ("" = none)
@@ -104,18 +137,19 @@ def bench_rank(engines: list[str], ops: list[str], sizes: list[int], scratch: in
     from shardpar.collectives import Group, make_engine
 
     group = Group("world", tuple(range(dist.get_world_size())), dist.group.WORLD)
+    made = {name: make_engine(name, timeout_s=120, ag_scratch_bytes=scratch) for name in engines}
     rows = []
-    for name in engines:
-        engine = make_engine(name, timeout_s=120, ag_scratch_bytes=scratch)
-        fallbacks = getattr(engine, "fallbacks", {})  # smddp only: Counter of (op, reason)
-        for op in ops:
-            for size in sizes:
-                before = Counter(fallbacks)
-                seconds = _time_op(engine, op, size, group)
-                grew = sorted({why for _, why in Counter(fallbacks) - before})
-                rows.append((name, op, size, seconds, ",".join(grew)))
+    for op in ops:
+        for size in sizes:
+            before = {name: Counter(getattr(e, "fallbacks", {})) for name, e in made.items()}
+            seconds = _time_interleaved({name: _Timed(e, op, size, group) for name, e in made.items()})
+            for name, engine in made.items():
+                grew = sorted({why for _, why in Counter(getattr(engine, "fallbacks", {})) - before[name]})
+                rows.append((name, op, size, seconds[name], ",".join(grew)))
+    for engine in made.values():
         getattr(engine, "close", lambda: None)()
-    rows += [("floor", "copy", size, _time_op(None, "copy", size, group), "") for size in sizes]
+    floors = _time_interleaved({str(size): _Timed(None, "copy", size, group) for size in sizes})
+    rows += [("floor", "copy", size, floors[str(size)], "") for size in sizes]
     return rows
 
 
