@@ -39,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+import torch.distributed as dist
 
 from tests.harness import RankPool
 
@@ -79,8 +80,6 @@ class _Timed:
     that lines the ranks up before it is timed (the engine's own, so its ranks leave it together)."""
 
     def __init__(self, engine, op: str, size: int, group) -> None:  # type: ignore[no-untyped-def]
-        import torch.distributed as dist
-
         from shardpar.collectives import ReduceOp, shm
 
         n = group.size
@@ -98,8 +97,6 @@ class _Timed:
 
 def _loop_seconds(call: _Timed, iters: int) -> float:
     """Mean seconds per call over `iters` back-to-back calls, the slowest rank's, after a barrier."""
-    import torch.distributed as dist
-
     call.align()  # line the ranks up; not timed
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -114,8 +111,6 @@ def _time_interleaved(calls: dict[str, _Timed]) -> dict[str, float]:
     machine's drift (2x within minutes on this VM) hits every engine alike. Each round loops its call
     for about ROUND_SECONDS; every rank uses the slowest rank's first-call time, so all agree on
     the loop count."""
-    import torch.distributed as dist
-
     iters = {}
     for name, call in calls.items():
         first = torch.tensor([_loop_seconds(call, 1)], dtype=torch.float64)  # also the warm-up
@@ -132,8 +127,6 @@ Row = tuple[str, str, int, float, str]  # engine, op, size, seconds, fallback re
 
 
 def bench_rank(engines: list[str], ops: list[str], sizes: list[int], scratch: int) -> list[Row]:
-    import torch.distributed as dist
-
     from shardpar.collectives import Group, make_engine
 
     group = Group("world", tuple(range(dist.get_world_size())), dist.group.WORLD)
@@ -155,8 +148,6 @@ def bench_rank(engines: list[str], ops: list[str], sizes: list[int], scratch: in
 
 def step_rank(backends: list[str], steps: int) -> dict[str, float]:
     """Median step time of a 8-block MLP (sdp 1: the balanced-fusion AllReduce path) per backend."""
-    import torch.distributed as dist
-
     import shardpar as smp
     from tests.models import UnevenMLP, mlp_batch
 

@@ -226,24 +226,21 @@ class Unit:
         # is written once below -- a grad, a zero for a missing grad, or the zero padding tail.
         # Zero-filling the whole block first cost ~55 ms a step at 25M parameters (docs/performance.md).
         flat = out.view(-1) if out.is_contiguous() else None
-        for i, (p, spec) in enumerate(zip(self.params, self.layout.specs, strict=True)):
-            grad = None if p.grad is None else p.grad.reshape(-1)
-            _write_flat(out, flat, spec.offset, spec.numel, grad)
-            if grad is not None:
-                p.grad = None
-                self.grad_used[i] = True
+        for spec, grad in zip(self.layout.specs, self.take_grads(), strict=True):
+            _write_flat(out, flat, spec.offset, spec.numel, grad)  # copy_ casts to the bucket's dtype
         _write_flat(out, flat, self.layout.numel, n * width - self.layout.numel, None)
 
-    def take_grads(self, dtype: torch.dtype) -> list[torch.Tensor | None]:
-        """Take the gradients off the parameters, flat and in `dtype` (None where a parameter got none),
-        for a reducer whose engine reads them in place ([Note: gradients read in place] in reducer.py)."""
+    def take_grads(self, dtype: torch.dtype | None = None) -> list[torch.Tensor | None]:
+        """Take the gradients off the parameters (freeing them) and mark them used: flat, in `dtype`
+        when given, None where a parameter got none. pack_grads copies them into a bucket; a reducer
+        whose engine reads them in place keeps them ([Note: gradients read in place] in reducer.py)."""
         grads: list[torch.Tensor | None] = []
         for i, p in enumerate(self.params):
             grad = p.grad
             if grad is not None:
                 p.grad = None
                 self.grad_used[i] = True
-                grad = grad.reshape(-1).to(dtype)  # a view when already flat-able and of `dtype`
+                grad = grad.reshape(-1) if dtype is None else grad.reshape(-1).to(dtype)  # views where they can
             grads.append(grad)
         return grads
 

@@ -164,16 +164,16 @@ def check_spans(output: torch.Tensor, spans: Sequence[Span], group: Group) -> in
     return total
 
 
-def pack_spans(spans: Sequence[Span], output: torch.Tensor) -> torch.Tensor:
-    """The spans end to end in one new buffer (for engines that cannot read them in place)."""
-    total = sum(p if isinstance(p, int) else p.numel() for p in spans)
-    buffer = torch.empty(total, dtype=output.dtype, device=output.device)
+def pack_spans(output: torch.Tensor, spans: Sequence[Span], group: Group) -> torch.Tensor:
+    """The spans, checked (`check_spans`), end to end in one new buffer: the reduce_scatter input of an
+    engine that cannot read them in place."""
+    buffer = torch.empty(check_spans(output, spans, group), dtype=output.dtype, device=output.device)
     at = 0
     for span in spans:
-        n = span if isinstance(span, int) else span.numel()
         if isinstance(span, int):
-            buffer[at : at + n].zero_()
+            buffer[at : at + span].zero_()
+            at += span
         else:
-            buffer[at : at + n].copy_(span.reshape(-1))
-        at += n
+            buffer[at : at + span.numel()].copy_(span)
+            at += span.numel()
     return buffer

@@ -19,7 +19,6 @@ from shardpar.collectives.base import (
     Span,
     Work,
     check_gather_shapes,
-    check_spans,
     pack_spans,
 )
 
@@ -159,8 +158,7 @@ class NativeEngine:
         op: ReduceOp = ReduceOp.SUM,
         async_op: bool = False,
     ) -> Work:
-        check_spans(output, spans, group)
-        return self.reduce_scatter(output, pack_spans(spans, output), group, op=op, async_op=async_op)
+        return self.reduce_scatter(output, pack_spans(output, spans, group), group, op=op, async_op=async_op)
 
     def reads_spans(self, output: torch.Tensor, group: Group) -> bool:
         return False

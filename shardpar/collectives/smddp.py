@@ -233,9 +233,9 @@ class SmddpEngine:
     ) -> Work:
         """Inside a node the transport reads the spans in place ([Note: shm spans]); elsewhere they
         are packed into one buffer and reduced as `reduce_scatter` would."""
-        check_spans(output, spans, group)
         if self.route("reduce_scatter", output, group) != "shm":
-            return self.reduce_scatter(output, pack_spans(spans, output), group, op=op, async_op=async_op)
+            return self.reduce_scatter(output, pack_spans(output, spans, group), group, op=op, async_op=async_op)
+        check_spans(output, spans, group)
         self._count("reduce_scatter", "shm")
         comm_op = _shm_op(op)
         return self._submit(lambda: self._comm(group.ranks).reduce_scatter_spans(output, spans, comm_op), async_op)
