@@ -3,9 +3,9 @@
 
     busbw = algbw * (n-1)/n        all_gather, reduce_scatter   (size = the large, gathered buffer)
     busbw = algbw * 2(n-1)/n       all_reduce
-    algbw = size / time            time = median over 7 rounds of the slowest rank's mean over a loop
+    algbw = size / time            time = median over 8 rounds of the slowest rank's mean over a loop
                                    of >= 0.1 s after the engine's own barrier; the engines alternate
-                                   round by round
+                                   round by round, in reverse order every other round
 
     .venv/bin/python benchmarks/bench_collectives.py                       # 2 and 4 ranks, 4 KiB..64 MiB
     .venv/bin/python benchmarks/bench_collectives.py --ranks 2 --ops all_gather --max-mib 4
@@ -68,7 +68,8 @@ def _copy_gbps(nbytes: int, rounds: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-ROUNDS = 7
+# Even, so that every call runs in each of its two positions equally often (see _time_interleaved).
+ROUNDS = 8
 # Each round loops a call at least this long, after a barrier of the engine being timed. Timed singly
 # after a gloo barrier, a call also measured the ranks' skew leaving that barrier (up to several ms
 # with 4 ranks on 2 cores), which only the fast engine notices.
@@ -110,15 +111,18 @@ def _time_interleaved(calls: dict[str, _Timed]) -> dict[str, float]:
     """Median seconds per call for each named call, measured in alternating rounds so that the
     machine's drift (2x within minutes on this VM) hits every engine alike. Each round loops its call
     for about ROUND_SECONDS; every rank uses the slowest rank's first-call time, so all agree on
-    the loop count."""
+    the loop count. Every other round runs the calls in reverse order: in a fixed order the loop that
+    ran right after gloo's was 1-30 % (median 15 %) slower than an identical one after it (A/A, 4 ranks,
+    16-64 MiB AllReduce, docs/performance.md item 9), and that loop was always smddp's."""
     iters = {}
     for name, call in calls.items():
         first = torch.tensor([_loop_seconds(call, 1)], dtype=torch.float64)  # also the warm-up
         dist.all_reduce(first, op=dist.ReduceOp.MAX)
         iters[name] = max(1, min(200, int(ROUND_SECONDS / max(float(first), 1e-6))))
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(ROUNDS):
-        for name, call in calls.items():
+    order = list(calls.items())
+    for round_index in range(ROUNDS):
+        for name, call in order if round_index % 2 == 0 else order[::-1]:
             times[name].append(_loop_seconds(call, iters[name]))
     return {name: statistics.median(t) for name, t in times.items()}
 

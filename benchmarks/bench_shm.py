@@ -4,7 +4,7 @@ NCCL-tests conventions (size = the full buffer: AllGather output, ReduceScatter 
     allgather / reducescatter busbw = size * (n-1)/n / time        allreduce busbw = 2 * (n-1)/n * size / time
 Each case: a few warm-up calls, then `--rounds` rounds of back-to-back calls (about 0.05 s each) after
 a barrier; the per-call time is rank 0's median over rounds. Rounds alternate shm and gloo, so machine
-noise (the machine is shared) hits both alike.
+noise (the machine is shared) hits both alike, and every other round runs them in reverse order.
 
     .venv/bin/python benchmarks/bench_shm.py                      # 2 and 4 ranks, 64K 1M 16M 64M, fp32
     .venv/bin/python benchmarks/bench_shm.py --ranks 2 --sizes 16M --dtype bfloat16 --chunk 2M
@@ -73,8 +73,9 @@ def time_case(calls: dict[str, Callable[[], None]], comm: Any, rounds: int) -> d
         dist.broadcast(probe, src=0)  # every rank must run the same number of calls
         iters[name] = max(1, min(500, int(0.05 / max(float(probe), 1e-6))))
     per_call: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
+    order = list(calls.items())
+    for round_index in range(rounds):  # reversed every other round: no call always runs right after gloo's
+        for name, call in order if round_index % 2 == 0 else order[::-1]:
             comm.barrier()
             t0 = time.perf_counter()
             for _ in range(iters[name]):
@@ -89,10 +90,10 @@ def rank_main(rank: int, n: int, port: int, key: str, args: argparse.Namespace, 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=600))
-    comm = ShmComm(key, "bench", rank, n, timeout_s=120.0, chunk_bytes=parse_size(args.chunk))
+    comm = ShmComm(key, "bench", rank, n, timeout_s=120.0, chunk_bytes=args.chunk)
     rows = []
     for op in args.ops:
-        for size in map(parse_size, args.sizes):
+        for size in args.sizes:
             calls = make_calls(op, size, DTYPES[args.dtype], n, comm)
             times = time_case(calls, comm, args.rounds)
             rows.append((op, size, times["shm"], times["gloo"]))
@@ -114,22 +115,36 @@ def run_world(n: int, args: argparse.Namespace) -> list[tuple[str, int, float, f
     procs = [ctx.Process(target=rank_main, args=(r, n, port, key, args, queue)) for r in range(n)]
     for p in procs:
         p.start()
-    rows: list[tuple[str, int, float, float]] = queue.get(timeout=1800)
-    for p in procs:
-        p.join(timeout=60)
-    return rows
+    deadline = time.monotonic() + 1800
+    try:
+        while True:  # poll, so that a rank that died (bad flag, crash) ends the run instead of a 30 min wait
+            try:
+                rows: list[tuple[str, int, float, float]] = queue.get(timeout=0.5)
+                return rows
+            except Exception:  # queue.Empty
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{n} ranks gave no result within 1800 s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=60 if p.exitcode == 0 else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--sizes", nargs="+", default=["64K", "1M", "16M", "64M"])
+    parser.add_argument("--sizes", nargs="+", type=parse_size, default=["64K", "1M", "16M", "64M"])
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--chunk", default="1M", help="shm staging chunk per rank (default 1M)")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--chunk", type=parse_size, default="1M", help="shm staging chunk per rank (default 1M)")
     args = parser.parse_args()
-    print(f"# {args.dtype}, chunk {args.chunk}, median of {args.rounds} rounds; busbw in GB/s (1e9 B/s)")
+    print(f"# {args.dtype}, chunk {human(args.chunk)}, median of {args.rounds} rounds; busbw in GB/s (1e9 B/s)")
     print(
         f"{'n':>2} {'op':<14} {'size':>5} {'shm us':>10} {'gloo us':>10} {'shm busbw':>10} {'gloo busbw':>10} {'x':>6}"
     )
