@@ -13,7 +13,6 @@ in unit.py for how shared parameters stay alive.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,6 +24,7 @@ from shardpar.collectives import Engine
 from shardpar.config import Config
 from shardpar.layout import flat_layout
 from shardpar.materialize import Materializer, check_nothing_materialised
+from shardpar.model_state import full_state_dict, load_full_state_dict
 from shardpar.persistent import PersistentParams
 from shardpar.precision import DtypePolicy
 from shardpar.reducer import GradReducer, plan_buckets
@@ -349,31 +349,12 @@ class DistributedModel(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """Full tensors under the unwrapped model's keys (gathered unit by unit)."""
-        full: dict[int, torch.Tensor] = {}
-        for unit in self.units:
-            values = unit.full_params()
-            for p, spec in zip(unit.params, unit.layout.specs, strict=True):
-                full[id(p)] = values[spec.fqn]
-        for i, p in enumerate(self.persistent.params):
-            full[id(p)] = self.persistent.main_view(i).detach().clone()  # fp32 main, not the compute copy
-        out: dict[str, Any] = OrderedDict()
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            out[key] = full[id(value)] if id(value) in full else value.detach().clone()
-        return out
+        return full_state_dict(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load full tensors (as returned by `state_dict`) into the shards and persistent params."""
-        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
-        missing = [n for n in names.values() if n not in state_dict]
-        if strict and missing:
-            raise ValueError(f"load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        for unit in self.units:
-            unit.load_full_params({s.fqn: state_dict[s.fqn] for s in unit.layout.specs if s.fqn in state_dict})
-        self.persistent.load(dict(state_dict))
-        with torch.no_grad():
-            for name, b in self.module.named_buffers():
-                if name in state_dict:
-                    b.copy_(state_dict[name])
+        """Load full tensors (as returned by `state_dict`) into the shards and persistent params; a
+        missing key (strict) or a tensor of another shape raises before anything is written."""
+        load_full_state_dict(self, state_dict, strict)
         return None
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:

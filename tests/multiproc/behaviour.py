@@ -337,12 +337,23 @@ def state_dict_case() -> dict[str, Any]:
     fresh = smp.DistributedModel(ref)
     fresh.load_state_dict(full)
     again = fresh.state_dict()
+    first, last = list(full)[0], list(full)[-1]  # a weight grown along dim 0, a tensor cut to one element
+    bad = {**full, first: torch.cat([full[first], full[first]]), last: full[last].reshape(-1)[:1].clone()}
+    try:
+        fresh.load_state_dict(bad)
+        bad_error = ""
+    except ValueError as exc:
+        bad_error = str(exc)
+    after_bad = fresh.state_dict()
     osd = opt.state_dict()
     local_numel = sum(v.numel() for v in local.values())
     state_numel = sum(s["exp_avg"].numel() for s in osd["state"].values())
     return {
         "keys_equal": list(full) == list(models.UnevenMLP().state_dict()),
         "roundtrip": max((again[k] - full[k]).abs().max().item() for k in full),
+        "bad_error": bad_error,
+        "bad_keys": (first, last, tuple(full[first].shape), tuple(full[last].shape)),
+        "unchanged_after_bad": all(torch.equal(after_bad[k], again[k]) for k in again),
         "local_numel": local_numel,
         "state_numel": state_numel,
         "full_numel": sum(v.numel() for v in full.values()),

@@ -96,6 +96,12 @@ def test_state_dicts(ranks) -> None:
     for r in results:
         assert r["keys_equal"] and r["shapes_ok"]
         assert r["roundtrip"] == 0.0
+        # a wrong shape is refused on every rank, by name, before anything is written
+        first, last, first_shape, last_shape = r["bad_keys"]
+        grown = (2 * first_shape[0], *first_shape[1:])
+        assert f"size mismatch for {first}: the checkpoint has shape {grown}, the model {first_shape}" in r["bad_error"]
+        assert f"{last}: the checkpoint has shape (1,), the model {last_shape}" in r["bad_error"]
+        assert r["unchanged_after_bad"]
         counts["local"] += r["local_numel"]
         assert r["state_numel"] <= r["local_numel"]
     full = results[0]["full_numel"]
