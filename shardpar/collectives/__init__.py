@@ -49,8 +49,10 @@ def make_engine(
         return native
     from shardpar.collectives import shm
 
-    ok, why = shm.available()
-    if backend == "auto" and (not ok or device_type != "cpu"):
+    if backend == "auto" and device_type != "cpu":
+        return native
+    ok, why = _agree_on_shm(*shm.available())
+    if backend == "auto" and not ok:
         return native
     if not ok:
         _warn_once(f"ddp_dist_backend='smddp': {why}; using the native torch.distributed engine")
@@ -59,6 +61,21 @@ def make_engine(
 
     options = SmddpOptions(timeout_s, ranks_per_node, ag_scratch_bytes, ag_sort_bytes)
     return SmddpEngine(options=options, native=native)
+
+
+def _agree_on_shm(ok: bool, why: str) -> tuple[bool, str]:
+    """Whether the shm transport works on every rank, decided together: a rank that went native alone
+    would leave the others in the smddp engine's first collective until their timeout."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok, why
+    replies: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(replies, (ok, why))
+    for rank, reply in enumerate(replies):
+        if reply is not None and not reply[0]:
+            return False, f"rank {rank}: {reply[1]}"
+    return True, ""
 
 
 def _warn_once(message: str) -> None:

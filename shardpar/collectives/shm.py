@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ __all__ = [
     "ShmTimeoutError",
     "available",
     "best_isa",
+    "host_id",
     "reduce_kernel",
     "segment_name",
 ]
@@ -117,6 +119,12 @@ _LIB, _WHY_NOT = _load()
 def available() -> tuple[bool, str]:
     """(True, "") when the transport can be used, else (False, the reason)."""
     return _LIB is not None, _WHY_NOT
+
+
+def host_id() -> str:
+    """Same value for processes that can share /dev/shm: the host name plus the kernel's boot id."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
 
 
 def _lib() -> ctypes.CDLL:

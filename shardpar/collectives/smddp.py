@@ -112,7 +112,7 @@ class SmddpEngine:
         self.rank = dist.get_rank() if dist_up else 0
         self.world = dist.get_world_size() if dist_up else 1
         self.options = opts.resolved(self.world)
-        self.key = _job_key(dist_up and self.world > 1)
+        self.key = _agree_on_job(dist_up and self.world > 1, self.world, self.ranks_per_node)
         self.fallbacks: Counter[tuple[str, str]] = Counter()
         self.routes: Counter[tuple[str, str]] = Counter()
         self._comms: dict[tuple[int, ...], shm.ShmComm] = {}
@@ -324,12 +324,33 @@ def _split_by_node(ranks: tuple[int, ...], rpn: int) -> tuple[list[tuple[int, ..
     return per_node, [tuple(node[i] for node in per_node) for i in range(len(per_node[0]))]
 
 
-def _job_key(collective: bool) -> str:
-    """A key unique to this engine in this job: drawn by rank 0, broadcast over the world."""
-    box = [uuid.uuid4().hex[:16]]
+def _agree_on_job(collective: bool, world: int, ranks_per_node: int) -> str:
+    """A key unique to this engine in this job (rank 0's draw), after checking that every rank counts
+    the same ranks per node and that no node spans two hosts: its ranks could not share memory, and
+    would wait for each other at the first shm collective until the timeout."""
+    mine = (uuid.uuid4().hex[:16], shm.host_id(), ranks_per_node)
+    gathered: list[tuple[str, str, int] | None] = [mine]
     if collective:
-        dist.broadcast_object_list(box, src=0)
-    return f"j{box[0]}"
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+    replies = [reply for reply in gathered if reply is not None]
+    if len(replies) != len(gathered):
+        raise AssertionError("all_gather_object left a rank's reply empty")
+    first_on_node: dict[int, tuple[int, str]] = {}
+    for rank, (_, host, rpn) in enumerate(replies):
+        if rpn != replies[0][2]:  # against rank 0's, so that every rank raises the same error
+            raise ValueError(
+                f"ranks_per_node is {replies[0][2]} on rank 0 but {rpn} on rank {rank}: set ranks_per_node "
+                "(or LOCAL_WORLD_SIZE) alike on every rank"
+            )
+        other, other_host = first_on_node.setdefault(rank // ranks_per_node, (rank, host))
+        if other_host != host:
+            raise ValueError(
+                f"ranks_per_node={ranks_per_node} puts ranks {other} and {rank} on one node, but they run on "
+                f"different hosts ({other_host!r}, {host!r}) and cannot share memory: set ranks_per_node "
+                "(or LOCAL_WORLD_SIZE) to the number of ranks each host runs"
+            )
+    return f"j{replies[0][0]}"
 
 
 # Importing this module makes `init_process_group(backend="smddp")` work (reference 000: SMDDP is the

@@ -28,13 +28,11 @@ NCCL (CUDA), which it registers inside itself:
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,12 +51,6 @@ _create_work_from_future = torch._C._distributed_c10d._create_work_from_future  
 
 BACKEND_NAME = "smddp"
 _REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _host_id() -> str:
-    """Same value for processes that can share /dev/shm: the host name plus the kernel's boot id."""
-    boot = Path("/proc/sys/kernel/random/boot_id")
-    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
 
 
 class SmddpProcessGroup(dist.ProcessGroup):
@@ -97,12 +89,16 @@ class SmddpProcessGroup(dist.ProcessGroup):
     def _why_not_shm(store: Any, rank: int, size: int) -> str:
         """Empty when shm serves this group; else why every call goes to gloo/NCCL."""
         ok, why = shm.available()
-        if not ok:
-            return why
         if size == 1:
-            return "group of one"
-        store.set(f"host/{rank}", _host_id())
-        hosts = {store.get(f"host/{r}").decode() for r in range(size)}  # bounded by the store's timeout
+            return why or "group of one"
+        # Every rank posts, whether or not it has the transport: one that returned early would leave
+        # the others in store.get until the store's timeout.
+        store.set(f"host/{rank}", shm.host_id() if ok else f"!{why}")
+        posts = [store.get(f"host/{r}").decode() for r in range(size)]  # bounded by the store's timeout
+        lacking = [(r, post[1:]) for r, post in enumerate(posts) if post.startswith("!")]
+        if lacking:
+            return f"rank {lacking[0][0]}: {lacking[0][1]}"
+        hosts = set(posts)
         return "" if len(hosts) == 1 else f"members on {len(hosts)} hosts"
 
     @staticmethod

@@ -337,7 +337,7 @@ def state_dict_case() -> dict[str, Any]:
     fresh = smp.DistributedModel(ref)
     fresh.load_state_dict(full)
     again = fresh.state_dict()
-    first, last = list(full)[0], list(full)[-1]  # a weight grown along dim 0, a tensor cut to one element
+    first, last = next(iter(full)), list(full)[-1]  # a weight grown along dim 0, a tensor cut to one element
     bad = {**full, first: torch.cat([full[first], full[first]]), last: full[last].reshape(-1)[:1].clone()}
     try:
         fresh.load_state_dict(bad)

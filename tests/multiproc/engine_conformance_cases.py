@@ -7,6 +7,7 @@ within the rounding of the dtype (gloo adds bf16/fp16 in the dtype itself, one r
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -83,6 +84,42 @@ def check_sort_buffer_and_auto() -> dict[str, object]:
     auto_name = type(auto).__name__
     getattr(auto, "close", lambda: None)()
     return {"exact": exact, "routes": routes, "auto": auto_name}
+
+
+def check_engine_agreement() -> dict[str, object]:
+    """World 2. The shm transport missing on rank 1 only: every rank builds the native engine, and the
+    warning names rank 1. A node of 2 ranks on two hosts (rank 1's host id faked): every rank refuses
+    it, naming both ranks. Before, rank 1 went native alone and rank 0 waited in the smddp engine's
+    first collective; a node across hosts timed out at its first shm connect."""
+    from shardpar.collectives import shm
+
+    rank = dist.get_rank()
+    real_available, real_host = shm.available, shm.host_id
+    try:
+        if rank == 1:
+            shm.available = lambda: (False, "test: no transport on this rank")  # type: ignore[assignment]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            picked = [type(make_engine(name, timeout_s=30)).__name__ for name in ("smddp", "auto")]
+        shm.available = real_available  # type: ignore[assignment]
+        if rank == 1:
+            shm.host_id = lambda: "elsewhere/boot"  # type: ignore[assignment]
+        try:
+            make_engine("smddp", timeout_s=30, ranks_per_node=2)
+            spanning = ""
+        except ValueError as exc:
+            spanning = str(exc)
+        per_host = make_engine("smddp", timeout_s=30, ranks_per_node=1)  # one rank per node: allowed
+        per_host_name = type(per_host).__name__
+        getattr(per_host, "close", lambda: None)()
+    finally:
+        shm.available, shm.host_id = real_available, real_host  # type: ignore[assignment]
+    return {
+        "picked": picked,
+        "warnings": [str(w.message) for w in caught],
+        "spanning": spanning,
+        "per_host": per_host_name,
+    }
 
 
 def _check_all(engine: Engine, name: str) -> list[str]:

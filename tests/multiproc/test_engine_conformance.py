@@ -7,6 +7,7 @@ import pytest
 from shardpar.collectives import shm
 from tests.multiproc.engine_conformance_cases import (
     check_engine,
+    check_engine_agreement,
     check_smddp_across_nodes,
     check_sort_buffer_and_auto,
     parity_with_engine_stats,
@@ -50,6 +51,16 @@ def test_sort_buffer_rule_and_auto_engine(ranks) -> None:
         # 4 ranks x 4097 fp32 = 65552 bytes > 8 x 8192: sort fallback; 4 x 100 x 4 bytes: hierarchical
         assert res["routes"] == {("all_gather", "hierarchical"): 1, ("all_gather", "native:sort"): 1}, res
         assert res["auto"] == "SmddpEngine", res
+
+
+@pytest.mark.skipif(not SHM_OK, reason=SHM_WHY)
+def test_ranks_agree_on_the_engine_and_nodes_stay_on_one_host(ranks) -> None:
+    for rank, res in enumerate(ranks.run(2, check_engine_agreement, timeout=120)):
+        assert res["picked"] == ["NativeEngine", "NativeEngine"], (rank, res)
+        assert any("rank 1: test: no transport on this rank" in w for w in res["warnings"]), (rank, res)
+        assert "ranks_per_node=2 puts ranks 0 and 1 on one node, but they run on different hosts" in res["spanning"]
+        assert "set ranks_per_node (or LOCAL_WORLD_SIZE) to the number of ranks each host runs" in res["spanning"]
+        assert res["per_host"] == "SmddpEngine", (rank, res)
 
 
 @pytest.mark.skipif(not SHM_OK, reason=SHM_WHY)
