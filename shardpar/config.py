@@ -33,8 +33,10 @@ _ACCEPTED_ONLY = {"ddp": True}
 _ENV_PREFIX = "SHARDPAR_"
 
 
-def _knob(default: Any, doc: str, *, minimum: float | None = None, exclusive: bool = False) -> Any:
-    return field(default=default, metadata={"doc": doc, "minimum": minimum, "exclusive": exclusive})
+def _knob(
+    default: Any, doc: str, *, minimum: float | None = None, exclusive: bool = False, maximum: float | None = None
+) -> Any:
+    return field(default=default, metadata={"doc": doc, "minimum": minimum, "exclusive": exclusive, "maximum": maximum})
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,12 @@ class Config:
     # shardpar's own knobs (not in the reference).
     ranks_per_node: int | None = _knob(None, "ranks per host; None = LOCAL_WORLD_SIZE", minimum=1)
     collective_timeout_s: float = _knob(
-        300.0, "seconds any collective may wait before a peer is declared dead", minimum=0, exclusive=True
+        300.0,
+        "seconds any collective may wait before a peer is declared dead (whole-world groups of a default "
+        "process group you started yourself keep its timeout)",
+        minimum=0,
+        exclusive=True,
+        maximum=1e6,  # the shm transport's limit (MAX_TIMEOUT_S in shm_transport.c): checked here, not at a first call
     )
     # Read from the SMDDP_* environment variables (reference 003, "Performance and memory tuning").
     smddp_ag_scratch_buffer_size_bytes: int = _knob(16 * 1024 * 1024, "env SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES")
@@ -114,10 +121,11 @@ class Config:
         env = os.environ if env is None else env
         raw: dict[str, Any] = {}
         if "SM_HP_MP_PARAMETERS" in env:
-            raw.update(json.loads(env["SM_HP_MP_PARAMETERS"]))
+            raw.update(_parse_json(env["SM_HP_MP_PARAMETERS"], "the environment variable SM_HP_MP_PARAMETERS"))
         if "SHARDPAR_CONFIG" in env:
             text = env["SHARDPAR_CONFIG"].strip()
-            raw.update(json.loads(text) if text.startswith("{") else _read_file(Path(text)))
+            where = "the environment variable SHARDPAR_CONFIG"
+            raw.update(_parse_json(text, where) if text.startswith("{") else _read_file(Path(text)))
         names = {f.name for f in dataclasses.fields(cls)}
         for key, value in env.items():
             if key.startswith(_ENV_PREFIX) and key != "SHARDPAR_CONFIG":
@@ -222,14 +230,24 @@ def _unknown_key_message(key: str, names: set[str]) -> str:
     return f"unknown config key {key!r}{hint}"
 
 
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not valid JSON ({exc}); e.g. '{{\"sharded_data_parallel_degree\": 2}}'") from None
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist; pass a dict or an existing .json/.toml path")
     text = path.read_text()
     if path.suffix == ".toml":
-        data: Any = tomllib.loads(text)
+        try:
+            data: Any = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
     elif path.suffix == ".json":
-        data = json.loads(text)
+        data = _parse_json(text, f"config file {str(path)!r}")
     else:
         raise ValueError(f"config file {str(path)!r}: unknown extension {path.suffix!r}; use .json or .toml")
     if not isinstance(data, dict):
@@ -290,6 +308,9 @@ def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
     if minimum is not None and (value < minimum or (exclusive and value == minimum)):
         rule = f"> {minimum}" if exclusive else f">= {minimum}"
         raise ValueError(f"{name}={value!r} must be {rule}; the default is {f.default!r}")
+    maximum = f.metadata["maximum"]
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}={value!r} must be <= {maximum:g}; the default is {f.default!r}")
     return value
 
 

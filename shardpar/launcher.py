@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -47,10 +48,18 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
     # N ranks share this machine's cores; one intra-op thread each avoids oversubscription.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        queue.put((rank, "ok", fn(*args)))
+        result = fn(*args)
     except BaseException:
         queue.put((rank, "err", traceback.format_exc()))
         raise SystemExit(1) from None
+    try:  # here, not in the queue's feeder thread, which drops a pickling error and exits 0 without a result
+        payload = pickle.dumps(result)
+    except Exception as exc:
+        kind = type(result).__name__
+        message = f"its return value ({kind}) cannot be pickled ({type(exc).__name__}: {exc}); return plain data"
+        queue.put((rank, "err", message))
+        raise SystemExit(1) from None
+    queue.put((rank, "ok", payload))
 
 
 def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 3600.0) -> list[Any]:
@@ -76,7 +85,7 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: flo
                 continue
             if kind == "err":
                 raise LaunchError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10 if len(results) == nprocs else 0.5)

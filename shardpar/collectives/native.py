@@ -33,9 +33,11 @@ class NativeWork:
     it overlap on the device -- the side stream and event of FSDP's overlap. torch's
     `Work.wait(timeout)` on NCCL instead blocks the host until the collective finished on the GPU,
     which would serialise every prefetch with the host, so a device-side work waits without one; its
-    deadline is the process group's timeout (shardpar passes `timeout_s` to init_process_group and
-    new_group), enforced by NCCL's watchdog, which turns a dead peer into an error. An explicit
-    `timeout` still blocks the host, as torch does.
+    deadline is the process group's timeout, enforced by NCCL's watchdog, which turns a dead peer into
+    an error. shardpar passes `collective_timeout_s` to the init_process_group and new_group calls it
+    makes; where the caller started the default group itself, groups that span the whole world reuse
+    it and keep the caller's timeout (torch's default: 10 min for NCCL). An explicit `timeout` still
+    blocks the host, as torch does.
     """
 
     def __init__(self, work: Any, *, timeout_s: float, finish: Any = None, on_device: bool = False) -> None:

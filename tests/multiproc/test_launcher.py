@@ -48,3 +48,16 @@ def test_a_rank_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
     assert "rank 0 fails on purpose" in str(outcome[0])
     with pytest.raises(ProcessLookupError):
         os.kill(int(ready.read_text()), 0)  # rank 1 is gone
+
+
+def _return_a_lock() -> threading.Lock:
+    return threading.Lock()
+
+
+def test_a_result_that_cannot_be_pickled_fails_at_once() -> None:
+    # Before, the queue's feeder thread dropped the pickling error, the rank exited 0 without a
+    # result, and the launcher waited out its whole timeout.
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 0 failed:\nits return value \(lock\) cannot be pickled \(TypeError"):
+        launch_local(_return_a_lock, 1, timeout_s=60)
+    assert time.monotonic() - start < 30

@@ -172,6 +172,8 @@ def test_world_rules(knobs: dict, world: int, pattern: str) -> None:
         ),
         ({"ddp": False}, r"ddp=False is not supported: shardpar always runs with ddp=True"),
         ({"enabled": False, "parameters": {}}, r"enabled=False: shardpar needs 'enabled': True"),
+        # the shm transport's limit, refused here rather than at the first shm collective
+        ({"collective_timeout_s": 2e6}, r"collective_timeout_s=2000000\.0 must be <= 1e\+06; the default is 300\.0"),
     ],
 )
 def test_bad_knobs(knobs: dict, pattern: str) -> None:
@@ -200,6 +202,26 @@ def test_bad_knobs(knobs: dict, pattern: str) -> None:
 def test_bad_smddp_buffer_env(env: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         Config.from_dict({}, env=env)
+
+
+@pytest.mark.parametrize(
+    ("env", "pattern"),
+    [
+        ({"SM_HP_MP_PARAMETERS": "{bad"}, r"the environment variable SM_HP_MP_PARAMETERS is not valid JSON \("),
+        ({"SHARDPAR_CONFIG": '{"x": '}, r"the environment variable SHARDPAR_CONFIG is not valid JSON \("),
+    ],
+)
+def test_bad_json_names_its_source(env: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        Config.from_env(env)
+
+
+def test_bad_config_files_are_named(tmp_path) -> None:
+    for name, text, pattern in (("c.json", "{bad", "is not valid JSON"), ("c.toml", "x = = 1", "is not valid TOML")):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"config file '{path}' {pattern}"):
+            Config.from_env({"SHARDPAR_CONFIG": str(path)})
 
 
 def test_config_is_frozen_and_replace_revalidates() -> None:
