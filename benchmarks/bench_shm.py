@@ -19,6 +19,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from queue import Empty
 from typing import Any
 
 import torch
@@ -116,20 +117,21 @@ def run_world(n: int, args: argparse.Namespace) -> list[tuple[str, int, float, f
     for p in procs:
         p.start()
     deadline = time.monotonic() + 1800
+    rows: list[tuple[str, int, float, float]] | None = None
     try:
-        while True:  # poll, so that a rank that died (bad flag, crash) ends the run instead of a 30 min wait
+        while rows is None:  # poll, so that a rank that died (bad flag, crash) ends the run at once
             try:
-                rows: list[tuple[str, int, float, float]] = queue.get(timeout=0.5)
-                return rows
-            except Exception:  # queue.Empty
+                rows = queue.get(timeout=0.5)
+            except Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{n} ranks gave no result within 1800 s") from None
+        return rows
     finally:
         for p in procs:
-            p.join(timeout=60 if p.exitcode == 0 else 0.5)
+            p.join(timeout=60 if rows is not None else 0.5)  # after a result the ranks are only exiting
             if p.is_alive():
                 p.terminate()
                 p.join()

@@ -230,11 +230,15 @@ def _unknown_key_message(key: str, names: set[str]) -> str:
     return f"unknown config key {key!r}{hint}"
 
 
-def _parse_json(text: str, where: str) -> Any:
+def _parse_json(text: str, where: str) -> dict[str, Any]:
+    example = '\'{"sharded_data_parallel_degree": 2}\''
     try:
-        return json.loads(text)
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{where} is not valid JSON ({exc}); e.g. '{{\"sharded_data_parallel_degree\": 2}}'") from None
+        raise ValueError(f"{where} is not valid JSON ({exc}); e.g. {example}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must hold a JSON object of knobs, not {type(data).__name__}; e.g. {example}")
+    return data
 
 
 def _read_file(path: Path) -> dict[str, Any]:

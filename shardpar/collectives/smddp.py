@@ -79,10 +79,10 @@ class SmddpOptions:
 class SmddpWork:
     """A step queued on the engine's worker; `wait` re-raises its error, or TimeoutError.
 
-    By default the wait allows twice the engine's timeout plus 10 s from the moment the step was
-    queued: inside the step every shm wait already has the engine's timeout and fails naming the
-    missing peer, and that error (raised here) is the useful one. This deadline is the backstop for
-    a worker that stopped making progress at all."""
+    By default `wait` allows twice the engine's timeout plus 10 s, counted from the call to `wait`:
+    inside the step every shm wait already has the engine's timeout and fails naming the missing
+    peer, and that error (raised here) is the useful one. This deadline is the backstop for a
+    worker that stopped making progress at all."""
 
     def __init__(self, future: Future[None], timeout_s: float, what: str = "collective") -> None:
         self._future, self._timeout_s, self._what = future, timeout_s, what
@@ -93,7 +93,7 @@ class SmddpWork:
             self._future.result(timeout=seconds)
         except FutureTimeout:
             raise TimeoutError(
-                f"smddp {self._what} did not finish within {seconds:g} s of being queued (collective_timeout_s="
+                f"smddp {self._what} did not finish within {seconds:g} s of waiting for it (collective_timeout_s="
                 f"{self._timeout_s:g}); look for an earlier error on another rank, or raise collective_timeout_s "
                 "if the ranks are only slow"
             ) from None
@@ -365,17 +365,19 @@ def _agree_on_job(collective: bool, world: int, ranks_per_node: int) -> str:
     replies = [reply for reply in gathered if reply is not None]
     if len(replies) != len(gathered):
         raise AssertionError("all_gather_object left a rank's reply empty")
-    first_on_node: dict[int, tuple[int, str]] = {}
-    for rank, (_, host, rpn) in enumerate(replies):
-        if rpn != replies[0][2]:  # against rank 0's, so that every rank raises the same error
+    rpn = replies[0][2]  # rank 0's, so that every rank raises the same error
+    for rank, (_, _, theirs) in enumerate(replies):
+        if theirs != rpn:
             raise ValueError(
-                f"ranks_per_node is {replies[0][2]} on rank 0 but {rpn} on rank {rank}: set ranks_per_node "
+                f"ranks_per_node is {rpn} on rank 0 but {theirs} on rank {rank}: set ranks_per_node "
                 "(or LOCAL_WORLD_SIZE) alike on every rank"
             )
-        other, other_host = first_on_node.setdefault(rank // ranks_per_node, (rank, host))
+    first_on_node: dict[int, tuple[int, str]] = {}
+    for rank, (_, host, _) in enumerate(replies):
+        other, other_host = first_on_node.setdefault(rank // rpn, (rank, host))
         if other_host != host:
             raise ValueError(
-                f"ranks_per_node={ranks_per_node} puts ranks {other} and {rank} on one node, but they run on "
+                f"ranks_per_node={rpn} puts ranks {other} and {rank} on one node, but they run on "
                 f"different hosts ({other_host!r}, {host!r}) and cannot share memory: set ranks_per_node "
                 "(or LOCAL_WORLD_SIZE) to the number of ranks each host runs"
             )

@@ -337,7 +337,10 @@ def state_dict_case() -> dict[str, Any]:
     fresh = smp.DistributedModel(ref)
     fresh.load_state_dict(full)
     again = fresh.state_dict()
-    first, last = next(iter(full)), list(full)[-1]  # a weight grown along dim 0, a tensor cut to one element
+    # A sharded weight grown along dim 0, and a persistent (whole on every rank) tensor cut to one element.
+    in_units = {spec.fqn for unit in fresh.units for spec in unit.layout.specs}
+    first = next(k for k, v in full.items() if k in in_units and v.dim() == 2)
+    last = next(k for k, v in full.items() if k not in in_units and v.numel() > 1)
     bad = {**full, first: torch.cat([full[first], full[first]]), last: full[last].reshape(-1)[:1].clone()}
     try:
         fresh.load_state_dict(bad)

@@ -109,6 +109,11 @@ def check_engine_agreement() -> dict[str, object]:
             spanning = ""
         except ValueError as exc:
             spanning = str(exc)
+        try:  # ranks that disagree on ranks_per_node: the same error on both
+            make_engine("smddp", timeout_s=30, ranks_per_node=2 if rank == 0 else 1)
+            disagree = ""
+        except ValueError as exc:
+            disagree = str(exc)
         per_host = make_engine("smddp", timeout_s=30, ranks_per_node=1)  # one rank per node: allowed
         per_host_name = type(per_host).__name__
         getattr(per_host, "close", lambda: None)()
@@ -118,6 +123,7 @@ def check_engine_agreement() -> dict[str, object]:
         "picked": picked,
         "warnings": [str(w.message) for w in caught],
         "spanning": spanning,
+        "disagree": disagree,
         "per_host": per_host_name,
     }
 

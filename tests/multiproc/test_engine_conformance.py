@@ -60,6 +60,7 @@ def test_ranks_agree_on_the_engine_and_nodes_stay_on_one_host(ranks) -> None:
         assert any("rank 1: test: no transport on this rank" in w for w in res["warnings"]), (rank, res)
         assert "ranks_per_node=2 puts ranks 0 and 1 on one node, but they run on different hosts" in res["spanning"]
         assert "set ranks_per_node (or LOCAL_WORLD_SIZE) to the number of ranks each host runs" in res["spanning"]
+        assert res["disagree"].startswith("ranks_per_node is 2 on rank 0 but 1 on rank 1: set ranks_per_node"), res
         assert res["per_host"] == "SmddpEngine", (rank, res)
 
 

@@ -209,6 +209,7 @@ def test_bad_smddp_buffer_env(env: dict, pattern: str) -> None:
     [
         ({"SM_HP_MP_PARAMETERS": "{bad"}, r"the environment variable SM_HP_MP_PARAMETERS is not valid JSON \("),
         ({"SHARDPAR_CONFIG": '{"x": '}, r"the environment variable SHARDPAR_CONFIG is not valid JSON \("),
+        ({"SM_HP_MP_PARAMETERS": "[]"}, r"SM_HP_MP_PARAMETERS must hold a JSON object of knobs, not list; e\.g\."),
     ],
 )
 def test_bad_json_names_its_source(env: dict, pattern: str) -> None:

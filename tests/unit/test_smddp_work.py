@@ -11,9 +11,9 @@ from shardpar.collectives.smddp import SmddpWork
 
 
 def test_the_default_wait_outlasts_the_transports_own_timeout() -> None:
-    # A step that takes longer than the engine's timeout since it was queued (queued behind others,
-    # or waiting on a peer that the transport will name) is not cut off at that timeout: the
-    # transport's error, naming the missing peer, must be the one that reaches the caller.
+    # A step that takes longer than the engine's timeout (queued behind others, or waiting on a peer
+    # that the transport will name) is not cut off at that timeout: the transport's error, naming
+    # the missing peer, must be the one that reaches the caller.
     future: Future[None] = Future()
     threading.Timer(0.3, future.set_result, args=(None,)).start()
     SmddpWork(future, timeout_s=0.1, what="all_reduce on sharding group [0, 1]").wait()
