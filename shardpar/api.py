@@ -7,6 +7,7 @@ receives its topology, engine and config explicitly.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import enum
 import os
@@ -85,6 +86,12 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     )
     device = _pick_device(local_rank)
     owns = _init_default_group(world, rank, cfg.collective_timeout_s, device)
+    try:
+        _check_same_config(cfg, the_plan.ranks_per_node, world)
+    except ValueError:
+        if owns:
+            dist.destroy_process_group()
+        raise
     topology = Topology(the_plan, rank, timeout_s=cfg.collective_timeout_s)
     engine = CountingEngine(
         make_engine(
@@ -98,6 +105,28 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     )
     _STATE = _State(cfg, the_plan, topology, engine, owns, local_rank, local_size, device)
     return cfg
+
+
+def _check_same_config(cfg: Config, ranks_per_node: int, world: int) -> None:
+    """Every rank must run with the same knobs: ranks that plan different groups (a different sdp
+    degree, or LOCAL_WORLD_SIZE on one host only) would call new_group and the collectives in another
+    order and hang. One all_gather of the knobs, compared with rank 0's, so every rank raises the
+    same error before any group is built."""
+    if world == 1:
+        return
+    mine = {**dataclasses.asdict(cfg), "ranks_per_node (or LOCAL_WORLD_SIZE)": ranks_per_node}
+    everyone: list[dict[str, Any] | None] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0] or {}
+    for rank, knobs in enumerate(everyone):
+        differ = [k for k in mine if (knobs or {}).get(k) != first.get(k)]
+        if differ:
+            said = "; ".join(
+                f"{k} is {first.get(k)!r} on rank 0 but {(knobs or {}).get(k)!r} on rank {rank}" for k in differ
+            )
+            raise ValueError(
+                f"smp.init: every rank must use the same config: {said}. Pass the same config to every rank"
+            )
 
 
 def shutdown() -> None:

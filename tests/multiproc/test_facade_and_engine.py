@@ -141,6 +141,25 @@ def test_world_errors_before_any_group(ranks) -> None:
     assert all("sharded_data_parallel_degree=3 must divide the reduced data-parallel degree 4" in m for m in msgs)
 
 
+def _configs_that_differ_between_ranks() -> str:
+    # Rank 1 asks for another sdp degree and another ranks_per_node: its groups would differ, and the
+    # ranks would call new_group in different orders.
+    rank = int(os.environ["RANK"])
+    knobs = {"sharded_data_parallel_degree": 2 if rank == 0 else 1, "ranks_per_node": 2 if rank == 0 else 1}
+    try:
+        smp.init(knobs)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_configs_that_differ_between_ranks_are_refused_on_every_rank(ranks) -> None:
+    for msg in ranks.run(2, _configs_that_differ_between_ranks, timeout=60):
+        assert msg.startswith("smp.init: every rank must use the same config: "), msg
+        assert "sharded_data_parallel_degree is 2 on rank 0 but 1 on rank 1" in msg
+        assert "ranks_per_node (or LOCAL_WORLD_SIZE) is 2 on rank 0 but 1 on rank 1" in msg
+
+
 def _dead_peer_times_out() -> str:
     smp.init({"sharded_data_parallel_degree": 2, "collective_timeout_s": 2.0})
     if smp.rank() == 1:
