@@ -231,7 +231,7 @@ def _unknown_key_message(key: str, names: set[str]) -> str:
 
 
 def _parse_json(text: str, where: str) -> dict[str, Any]:
-    example = '\'{"sharded_data_parallel_degree": 2}\''
+    example = "'{\"sharded_data_parallel_degree\": 2}'"
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

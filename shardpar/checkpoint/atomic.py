@@ -142,6 +142,12 @@ def check_tag(tag: str) -> None:
         raise ValueError(
             f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not 'newest'); e.g. 'step100'"
         )
+    if tag.endswith("_partial"):  # a full export named "x_partial" would replace partial checkpoint "x"
+        raise ValueError(
+            f"checkpoint tag {tag!r} must not end in '_partial': partial checkpoints live in '<tag>_partial', so "
+            f"this name would replace (or be replaced by) the partial checkpoint {tag.removesuffix('_partial')!r}; "
+            "e.g. 'step100'"
+        )
 
 
 def make_tmp_dir(root: Path, tag: str) -> tuple[str, str]:

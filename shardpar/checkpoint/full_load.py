@@ -87,6 +87,11 @@ class FullLoad:
                 problems.append(f"{key}: shape {list(shape)} in the model, {list(shapes[key])} in the checkpoint")
         buffers = persistent_buffers(self.model)
         used.update(b for b in buffers if b in self.where)
+        problems += [  # copy_ would broadcast a smaller buffer, or fail after the parameters were written
+            f"buffer {b}: shape {list(t.shape)} in the model, {list(shapes[b])} in the checkpoint"
+            for b, t in buffers.items()
+            if b in self.where and tuple(t.shape) != tuple(shapes[b])
+        ]
         if self.strict:
             problems += [f"buffer {b}: not in the checkpoint" for b in buffers if b not in self.where]
             problems += [f"{k}: in the checkpoint, not in the model" for k in self.where if k not in used]

@@ -114,11 +114,16 @@ class LoadJob:
             for fqn, s in mine.items()
             if fqn in saved and list(s.cut.full_shape) != saved[fqn]["shape"]
         ]
+        buffers, saved_buffers = persistent_buffers(self.model), self.index["buffers"]
+        problems += [  # copy_ would broadcast a smaller buffer, or fail after the parameters were written
+            f"buffer {b}: shape {list(t.shape)} in the model, {list(saved_buffers[b]['shape'])} in the checkpoint"
+            for b, t in buffers.items()
+            if b in saved_buffers and list(t.shape) != list(saved_buffers[b]["shape"])
+        ]
         if self.strict:
             problems += [f"{f}: in the model, not in the checkpoint" for f in mine if f not in saved]
             problems += [f"{f}: in the checkpoint, not in the model" for f in saved if f not in mine]
-            buffers = persistent_buffers(self.model)
-            problems += [f"buffer {b}: not in the checkpoint" for b in buffers if b not in self.index["buffers"]]
+            problems += [f"buffer {b}: not in the checkpoint" for b in buffers if b not in saved_buffers]
         if problems:
             raise misfit(self.directory, problems)
         if self.optimizer is not None and self.load_optimizer:

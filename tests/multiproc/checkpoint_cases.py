@@ -289,6 +289,24 @@ def errors_case(root_s: str) -> dict[str, Any]:
         errors["misfit"] = "no error"
     except ckpt.CheckpointError as e:
         errors["misfit"] = str(e)
+    # A persistent buffer of another shape (the checkpoint's marker has 3 elements): refused before
+    # anything is written, under strict=False too (copy_ broadcast a smaller buffer, or failed
+    # after the parameters were written).
+    model3, opt3, _ = _make(7)
+    model3.module.marker = torch.zeros(4)
+    before3 = _full_state(model3)
+    try:
+        _resume(root_s, "good", model3, opt3, strict=False)
+        errors["buffer"] = "no error"
+    except ckpt.CheckpointError as e:
+        errors["buffer"] = str(e)
+    smp.save_checkpoint(root_s, "goodfull", partial=False, model=model)  # the same, from a full export
+    try:
+        _resume(root_s, "goodfull", model3, None, partial=False, strict=False)
+        errors["buffer_full"] = "no error"
+    except ckpt.CheckpointError as e:
+        errors["buffer_full"] = str(e)
+    buffer_unchanged = all(torch.equal(v, before3[k]) for k, v in _full_state(model3).items())
     fresh = _full_state(model2)
     loose = _resume(root_s, "good", model2, opt2, strict=False, load_optimizer=False)
     # What fits (same name, same shape) now holds the saved values, the rest kept its own.
@@ -309,6 +327,7 @@ def errors_case(root_s: str) -> dict[str, Any]:
         "loose_loaded": loose_changed,
         "loose_skipped": sorted(k for k in fresh if k not in fit),
         "loose_optimizer_empty": loose_optimizer_empty,
+        "buffer_unchanged": buffer_unchanged,
     }
 
 

@@ -77,6 +77,8 @@ def test_damaged_checkpoints_raise_clear_errors_and_load_nothing(ranks, tmp_path
         "index": ("index.json", "not valid JSON"),
         "nonexistent": ("nonexistent_partial", "missing"),
         "misfit": ("blocks.2", "not in the model"),
+        "buffer": ("buffer marker: shape [4] in the model, [3] in the checkpoint",),
+        "buffer_full": ("goodfull", "buffer marker: shape [4] in the model, [3] in the checkpoint"),
     }
     for rank, r in enumerate(results):  # every rank raises, also those that never read the bad file
         for tag, words in expected.items():
@@ -87,6 +89,7 @@ def test_damaged_checkpoints_raise_clear_errors_and_load_nothing(ranks, tmp_path
         assert r["loose_fit"] == 0.0 and len(r["loose_loaded"]) > 2, r["loose_loaded"]
         assert r["loose_skipped"] == [], r["loose_skipped"]  # the smaller model: everything fits
         assert r["loose_optimizer_empty"], "load_optimizer=False still loaded optimizer state"
+        assert r["buffer_unchanged"], "a resume refused for a buffer's shape changed the model"
 
 
 def test_keep_n_pruning_newest_pointer_and_argument_errors(ranks, tmp_path: Path) -> None:

@@ -153,3 +153,12 @@ def test_resume_after_a_crash_between_the_renames_gets_the_previous_checkpoint(
         assert torch.equal(resumed[k], saved[k]), f"{k} differs from the previous checkpoint"
     assert (tmp_path / "newest").read_text() == "good"
     assert not any(n.startswith(".old-") for n in _listing(tmp_path)), _listing(tmp_path)
+
+
+@pytest.mark.parametrize("tag", ["step100_partial", "a_partial"])
+def test_a_tag_ending_in_partial_is_refused(tag: str) -> None:
+    # A full export tagged "a_partial" would be published over the partial checkpoint "a" (and a
+    # partial save tagged "a" over a full export "a_partial"), deleting it.
+    with pytest.raises(ValueError, match=rf"checkpoint tag '{tag}' must not end in '_partial': partial checkpoints"):
+        atomic.check_tag(tag)
+    atomic.check_tag(tag.replace("_partial", "_part"))  # a near name is fine
