@@ -22,7 +22,9 @@ import copy
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -150,10 +152,13 @@ class Sink:
         self._writer: SafetensorsWriter | None = None
         self._left = 0
 
-    def write(self, key: str, tensor: torch.Tensor) -> None:
+    def write(self, key: str, make: Callable[[], torch.Tensor]) -> None:
+        """Write the tensor `make()` returns. It is made here, inside the error capture: a cast or a
+        reshape that fails on rank 0 must not take it out of the unit AllGathers its peers are in."""
         if self.error is not None:
             return
         try:
+            tensor = make()
             if self._left == 0:
                 self._open_next()
             if self._writer is None:
@@ -165,6 +170,9 @@ class Sink:
                 self._writer = None
         except Exception as e:
             self.error = e
+            if self._writer is not None:
+                self._writer.abandon()
+                self._writer = None
 
     def _open_next(self) -> None:
         self._file += 1
@@ -198,7 +206,7 @@ def stream_units(model: DistributedModel, items: list[Item], sink: Sink | None, 
         if sink is not None:
             for it in by_unit.get(unit.index, []):
                 spec = unit.layout.specs[it.pos]
-                sink.write(it.key, _original(it, per_tp, spec.offset, spec.shape))
+                sink.write(it.key, partial(_original, it, per_tp, spec.offset, spec.shape))
         del full, per_tp  # [memory] one unit's full parameters (times tp) at a time
     if sink is None and tp is None:
         return
@@ -209,9 +217,9 @@ def stream_units(model: DistributedModel, items: list[Item], sink: Sink | None, 
     for it in items:
         if it.source == "persistent":
             p = model.persistent.params[it.pos]
-            sink.write(it.key, _original(it, persistent, model.persistent.offsets[it.pos], tuple(p.shape)))
+            sink.write(it.key, partial(_original, it, persistent, model.persistent.offsets[it.pos], tuple(p.shape)))
         elif it.source == "buffer":
-            sink.write(it.key, buffers[it.name])
+            sink.write(it.key, partial(buffers.__getitem__, it.name))
 
 
 def _over_tp(flat: torch.Tensor, tp: TPComm | None) -> torch.Tensor:

@@ -123,6 +123,7 @@ class SafetensorsWriter:
     def close(self) -> int:
         """Flush and fsync; the file's size in bytes."""
         if self._next != len(self._entries):
+            self._file.close()
             missing = [e.key for e in self._entries[self._next :]]
             raise AssertionError(f"{self.path.name}: {len(missing)} tensors never written, first {missing[0]!r}")
         self._file.flush()
@@ -135,7 +136,11 @@ class SafetensorsWriter:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if kind is not None:
-            self._file.close()
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Close the file without checking it (after an error; the directory is discarded)."""
+        self._file.close()
 
 
 def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> int:

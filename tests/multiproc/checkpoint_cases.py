@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -511,3 +512,32 @@ def scaler_across_precisions_case(root_s: str) -> dict[str, Any]:
         "malformed": error,
         "malformed_unchanged": max((after[k] - before[k]).abs().max().item() for k in before),
     }
+
+
+def export_fails_on_rank_0_case(root: str) -> dict[str, Any]:
+    """Rank 0's cast of the second exported tensor raises, in the middle of the unit AllGathers. Before,
+    rank 0 left them for the error agreement while rank 1 waited in the next unit's AllGather until
+    the timeout, and the real error was lost."""
+    import shardpar.checkpoint.full as full_mod
+
+    model, _, _ = _build(2, collective_timeout_s=60)
+    real = full_mod._original
+    calls = [0]
+
+    def failing(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("test: the cast failed")
+        return real(*args, **kwargs)
+
+    if smp.rank() == 0:
+        full_mod._original = failing  # type: ignore[assignment]
+    start = time.monotonic()
+    try:
+        smp.save_checkpoint(root, "export", partial=False, model=model)
+        error = "no error"
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        full_mod._original = real  # type: ignore[assignment]
+    return {"error": error, "seconds": time.monotonic() - start, "published": (Path(root) / "export").exists()}

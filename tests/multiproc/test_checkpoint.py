@@ -160,3 +160,10 @@ def test_loss_scaler_state_resumes_only_into_a_matching_fp16_scaler(ranks, tmp_p
         assert same["warnings"] == []
         assert "index.json" in r["malformed"] and "loss_scaler.cur_iter" in r["malformed"], r["malformed"]
         assert r["malformed_unchanged"] == 0.0, "a failed resume changed the model"
+
+
+def test_an_export_that_fails_on_rank_0_raises_everywhere_at_once(ranks, tmp_path: Path) -> None:
+    for rank, r in enumerate(ranks.run(2, cases.export_fails_on_rank_0_case, str(tmp_path), timeout=120)):
+        assert "test: the cast failed" in r["error"], (rank, r)
+        assert r["seconds"] < 30, (rank, r)  # not the 60 s collective timeout
+        assert not r["published"], (rank, r)
