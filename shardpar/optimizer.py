@@ -119,13 +119,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model.engine.all_reduce(sq, self.model.topology.sharding)
         return sq
 
-    def _unscale_and_clip(self, sq: torch.Tensor) -> torch.Tensor:
-        """Divide out the loss scale and apply sdp_gradient_clipping, as one multiply per grad.
+    def _unscale_and_clip(self, sq: torch.Tensor, scale: float) -> torch.Tensor:
+        """Divide out the loss scale the gradients carry and apply sdp_gradient_clipping, as one
+        multiply per grad.
 
         The clip coefficient is torch.nn.utils.clip_grad_norm_'s formula (parity with a single-process
         run); it stays a tensor, so there is no host sync here.
         """
-        inv_scale = 1.0 / self.loss_scaler.loss_scale
+        inv_scale = 1.0 / scale
         norm = sq.sqrt() * inv_scale
         coef = torch.full_like(norm, inv_scale)
         if self.clip_norm > 0:
@@ -164,6 +165,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fp16 = self.model.policy.compute == torch.float16
         needs_norm = fp16 or self.clip_norm > 0 or self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0
         sq = self.grad_norm_squared() if needs_norm else None
+        scale = self.model.loss_scale  # what this window's backwards multiplied the loss by
         if sq is not None and fp16:
             # fp16, whatever the scale and clipping: an inf/nan on any rank makes the norm's one
             # AllReduce non-finite everywhere. The only host sync of the step, needed to decide the
@@ -174,7 +176,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.model.loss_scale = self.loss_scaler.loss_scale
                 self.model.end_step()
                 return None
-        self.last_grad_norm = self._unscale_and_clip(sq) if sq is not None else None
+        # `scale`, not the scaler's: a dynamic scaler that just grew its scale (update above) must not
+        # divide these gradients, scaled by the old one, by the new one.
+        self.last_grad_norm = self._unscale_and_clip(sq, scale) if sq is not None else None
         self._attach_grads()
         result = self.optimizer.step()
         for unit in self.model.units:

@@ -162,14 +162,20 @@ def fp16_static_overflow_case() -> dict[str, Any]:
     }
 
 
-def fp16_loss_scale_case(clip: float, scale: float, steps: int = 3) -> dict[str, Any]:
-    """fp16 with a static loss scale under SGD (not scale-invariant, unlike Adam): the grad norm seen
-    by clipping and the update must not depend on the scale, so a missing or doubled unscale, or
-    clipping applied to the scaled gradients, shows up as a factor of `scale`."""
+def fp16_loss_scale_case(clip: float, scale: float, steps: int = 3, dynamic: bool = False) -> dict[str, Any]:
+    """fp16 with a loss scale under SGD (not scale-invariant, unlike Adam): the grad norm seen by
+    clipping and the update must not depend on the scale, so a missing or doubled unscale, or
+    clipping applied to the scaled gradients, shows up as a factor of `scale`. `dynamic`: a dynamic
+    scaler starting at `scale` that doubles after every clean step (scale_window 1)."""
     smp.init({**SHARD, "fp16": True, "sdp_gradient_clipping": clip})
     try:
         model = smp.DistributedModel(models.tiny_neox())
-        opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=scale)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        if dynamic:
+            args = {"init_scale": scale, "scale_window": 1}
+            opt = smp.DistributedOptimizer(sgd, dynamic_loss_scale=True, dynamic_loss_args=args)
+        else:
+            opt = smp.DistributedOptimizer(sgd, static_loss_scale=scale)
         rank, world = smp.rank(), smp.size()
         start = [u.main_shard.clone() for u in model.units]
         norms: list[float] = []
@@ -180,7 +186,12 @@ def fp16_loss_scale_case(clip: float, scale: float, steps: int = 3) -> dict[str,
             opt.zero_grad()
             norms.append(float(opt.last_grad_norm))
         update = torch.cat([(u.main_shard - s).flatten() for u, s in zip(model.units, start, strict=True)])
-        return {"norms": norms, "update": update.tolist(), "overflow": opt.overflow}
+        return {
+            "norms": norms,
+            "update": update.tolist(),
+            "overflow": opt.overflow,
+            "final_scale": opt.loss_scaler.loss_scale,
+        }
     finally:
         smp.shutdown()
 

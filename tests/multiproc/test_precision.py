@@ -101,6 +101,20 @@ def test_fp16_loss_scale_is_undone_before_clipping_and_the_step(ranks, clip: flo
         assert min(plain["norms"]) > clip, plain["norms"]
 
 
+def test_a_growing_dynamic_scale_undoes_the_scale_the_gradients_carry(ranks) -> None:
+    """A dynamic scaler that grows after every clean step (1024, 2048, 4096, ...) against a static 1024:
+    the same grad norms and SGD update. Unscaling by the grown scale instead of the one the backward
+    used halved every step that grew it."""
+    static, dynamic = (ranks.run(2, cases.fp16_loss_scale_case, 0.0, 1024.0, 3, grows)[0] for grows in (False, True))
+    assert not static["overflow"] and not dynamic["overflow"]
+    assert dynamic["final_scale"] == 1024.0 * 2**3, dynamic["final_scale"]  # it really grew every step
+    for a, b in zip(static["norms"], dynamic["norms"], strict=True):
+        assert abs(a - b) <= 0.01 * a, (static["norms"], dynamic["norms"])
+    diff = max(abs(a - b) for a, b in zip(static["update"], dynamic["update"], strict=True))
+    size = max(abs(a) for a in static["update"])
+    assert size > 0 and diff <= 0.01 * size, (diff, size)
+
+
 @pytest.mark.slow
 def test_fp16_200_steps_with_periodic_overflow_never_nan(ranks) -> None:
     for res in ranks.run(2, cases.fp16_overflow_case, 200, 7):
