@@ -228,6 +228,8 @@ class DistributedModel(nn.Module):
         unit = self._unit_of_param.get(id(p))
         if unit is None:
             return  # persistent: reduced at the boundary
+        if unit.reduced:
+            raise _late_gradient(unit, p)
         unit.grads_arrived += 1
         if unit.grads_arrived == unit.num_trainable and not unit.has_frozen:
             self.reducer.add(unit)
@@ -373,6 +375,18 @@ class DistributedModel(nn.Module):
 
     def all_sharded(self) -> bool:
         return all(u.state is UnitState.SHARDED for u in self.units)
+
+
+def _late_gradient(unit: Unit, p: torch.Tensor) -> RuntimeError:
+    """A gradient for a unit whose gradients this backward already reduced: it would be left on .grad,
+    never reduced, and added into the next step's gradient."""
+    name = next((s.fqn for q, s in zip(unit.params, unit.layout.specs, strict=True) if q is p), "?")
+    return RuntimeError(
+        f"{name} (unit {unit.name}) got a gradient after the unit's gradients were reduced in this backward. "
+        "The unit ran more than once inside reentrant activation checkpointing "
+        "(torch.utils.checkpoint(..., use_reentrant=True)), whose nested backwards deliver each use's "
+        "gradient apart; checkpoint it with use_reentrant=False, as PyTorch recommends"
+    )
 
 
 def _module_device(module: nn.Module) -> torch.device:

@@ -362,3 +362,47 @@ def state_dict_case() -> dict[str, Any]:
         "full_numel": sum(v.numel() for v in full.values()),
         "shapes_ok": all(tuple(full[k].shape) == tuple(v.shape) for k, v in models.UnevenMLP().state_dict().items()),
     }
+
+
+class _RecurrentMLP(models.UnevenMLP):
+    """blocks[0] runs twice per forward, each use under its own activation checkpoint."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for b in (self.blocks[0], self.blocks[0], *self.blocks[1:]):
+            h = checkpoint(b, h, use_reentrant=self.use_reentrant)
+        return nn.functional.cross_entropy(self.head(h) * self.temperature, y)
+
+
+def recurrent_unit_under_checkpoint_case(use_reentrant: bool) -> dict[str, Any]:
+    """Reentrant checkpointing delivers each use's gradients in its own nested backward: the unit was
+    reduced after the first and the second stayed on .grad, added into the next step (silently
+    wrong). That is now an error naming the parameter and the fix; use_reentrant=False trains, and
+    matches a plain run."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(_RecurrentMLP(use_reentrant))
+    torch.manual_seed(0)
+    ref = _RecurrentMLP(use_reentrant)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rank, world = smp.rank(), smp.size()
+    try:
+        for step in range(3):
+            batch = models.mlp_batch(step, 2 * world)
+            model.backward(model(**{k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}))
+            opt.step()
+            opt.zero_grad()
+            ref(**batch).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    full, want = model.state_dict(), ref.state_dict()
+    return {"error": "", "diff": max((full[k] - want[k]).abs().max().item() for k in want)}

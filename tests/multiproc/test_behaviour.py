@@ -107,3 +107,11 @@ def test_state_dicts(ranks) -> None:
     full = results[0]["full_numel"]
     # shards partition the sharded params; persistent ones are on both ranks
     assert full <= counts["local"] <= full + 2 * 20
+
+
+def test_a_unit_run_twice_under_reentrant_checkpointing_is_an_error_not_wrong_gradients(ranks) -> None:
+    for r in ranks.run(2, behaviour.recurrent_unit_under_checkpoint_case, True):
+        assert "blocks.0." in r["error"] and "got a gradient after the unit's gradients were reduced" in r["error"], r
+        assert "checkpoint it with use_reentrant=False" in r["error"], r
+    for r in ranks.run(2, behaviour.recurrent_unit_under_checkpoint_case, False):
+        assert r["error"] == "" and r["diff"] <= 1e-6, r
