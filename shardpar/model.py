@@ -287,7 +287,14 @@ class DistributedModel(nn.Module):
             holder.grad_used = [False] * len(holder.params)
 
     def end_step(self) -> None:
-        """Called by the optimizer after each step: closes the step in the communication records."""
+        """Called by the optimizer after each step: closes the step in the communication records, and
+        releases what a graph-recording forward that got no backward (a metric computed without
+        torch.no_grad) left gathered -- the root keeps its parameters for the backward -- since those
+        values are stale now; the next forward gathers the stepped ones."""
+        for unit in self.units:
+            if unit.state is not UnitState.SHARDED:
+                unit.holders.clear()
+                unit.reshard("")
         stats = getattr(self.engine, "stats", None)
         if stats is not None:
             stats.begin_step()

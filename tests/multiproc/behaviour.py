@@ -406,3 +406,34 @@ def recurrent_unit_under_checkpoint_case(use_reentrant: bool) -> dict[str, Any]:
         return {"error": str(exc)}
     full, want = model.state_dict(), ref.state_dict()
     return {"error": "", "diff": max((full[k] - want[k]).abs().max().item() for k in want)}
+
+
+def forward_without_backward_before_step_case() -> dict[str, Any]:
+    """Each step also computes a metric with a forward that records a graph but gets no backward (no
+    torch.no_grad). The root unit keeps its gathered parameters after such a forward, for the
+    backward; after opt.step() they were stale and the next forward used them. Losses and weights
+    must match a plain run."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(models.UnevenMLP())
+    torch.manual_seed(0)
+    ref = models.UnevenMLP()
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rank, world = smp.rank(), smp.size()
+    worst = 0.0
+    for step in range(3):
+        batch = models.mlp_batch(step, 2 * world)
+        mine = {k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}
+        loss = model(**mine)
+        want = ref(**mine)
+        worst = max(worst, abs(loss.item() - want.item()))
+        model.backward(loss)
+        model(**mine)  # the metric forward: a graph, never backpropagated
+        opt.step()
+        opt.zero_grad()
+        ref(**batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full, expected = model.state_dict(), ref.state_dict()
+    return {"loss": worst, "param": max((full[k] - expected[k]).abs().max().item() for k in expected)}

@@ -115,3 +115,8 @@ def test_a_unit_run_twice_under_reentrant_checkpointing_is_an_error_not_wrong_gr
         assert "checkpoint it with use_reentrant=False" in r["error"], r
     for r in ranks.run(2, behaviour.recurrent_unit_under_checkpoint_case, False):
         assert r["error"] == "" and r["diff"] <= 1e-6, r
+
+
+def test_a_forward_without_backward_before_the_step_leaves_nothing_stale(ranks) -> None:
+    for r in ranks.run(2, behaviour.forward_without_backward_before_step_case):
+        assert r["loss"] <= 1e-6 and r["param"] <= 1e-6, r
