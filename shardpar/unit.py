@@ -9,7 +9,9 @@ A unit stays unsharded while any *holder* needs it: "fwd" (its own forward), "bw
 from the pre-backward hook or an activation-checkpoint recomputation until its grads are reduced),
 or "<holder>@<unit>" when another unit uses one of its parameters (tied weights,
 smp.register_parameter). `reshard` drops one holder and frees the buffer when none is left, so a
-parameter is never freed under a user that still needs it.
+parameter is never freed under a user that still needs it. A borrower's "bwd@<unit>" hold lasts
+until the end of the backward: the borrower's own grads may arrive before the backward of an op
+that saved the borrowed parameter.
 """
 
 from __future__ import annotations
@@ -193,8 +195,12 @@ class Unit:
         """Drop `holder`; free the gathered buffer once nobody holds the unit."""
         if holder in self.holders:
             self.holders.discard(holder)
-            for dep in self.deps:
-                dep.reshard(f"{holder}@{self.index}")
+            # A backward keeps what it borrowed until the whole backward ends (`_finish_backward`
+            # releases every holder): this unit's own grads can arrive before the backward of an op
+            # that saved the borrowed parameter itself (`x @ w`), which still needs its data.
+            if holder != "bwd":
+                for dep in self.deps:
+                    dep.reshard(f"{holder}@{self.index}")
         if self.holders or self.state is UnitState.SHARDED:
             return
         if self._gather_work is not None:

@@ -152,10 +152,37 @@ class Registered(nn.Module):
         return nn.functional.cross_entropy(self.layer2(h, self.layer1.weight), y)
 
 
+class TiedLayer2(nn.Module):
+    """Holds layer1's weight as its own attribute (tied, like an LM head tied to an embedding), and
+    uses the weight itself in a matmul, so autograd saves the parameter, not a view of it."""
+
+    def __init__(self, w: nn.Parameter) -> None:
+        super().__init__()
+        self.w = w
+        self.proj = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x @ self.w)
+
+
+class TiedPair(nn.Module):
+    """Two non-root units sharing a weight: before, layer2's backward released layer1 (the owner) as
+    soon as layer2's own gradients arrived, while `x @ w`'s backward still needed w."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer1 = Layer1()
+        self.layer2 = TiedLayer2(self.layer1.weight)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.layer2(self.layer1(x)), y)
+
+
 REGISTER_CLIP = 0.05  # below every step's gradient norm, so clipping engages on both sides
 
 
-def register_parameter_case() -> dict[str, Any]:
+def register_parameter_case(kind: str = "registered") -> dict[str, Any]:
     smp.init(
         {
             "sharded_data_parallel_degree": smp_world(),
@@ -163,8 +190,9 @@ def register_parameter_case() -> dict[str, Any]:
             "sdp_gradient_clipping": REGISTER_CLIP,
         }
     )
-    model = smp.DistributedModel(Registered(), wrap=[Layer1, Layer2])
-    ref = Registered()
+    build, layer2 = {"registered": (Registered, Layer2), "tied": (TiedPair, TiedLayer2)}[kind]
+    model = smp.DistributedModel(build(), wrap=[Layer1, layer2])
+    ref = build()
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)

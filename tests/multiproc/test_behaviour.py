@@ -51,8 +51,10 @@ def test_model_state_memory_is_divided_by_sdp(ranks, sdp: int) -> None:
             )
 
 
-def test_register_parameter_reference_example(ranks) -> None:
-    for r in ranks.run(2, behaviour.register_parameter_case):
+@pytest.mark.parametrize("kind", ["registered", "tied"])
+def test_register_parameter_reference_example_and_tied_units(ranks, kind: str) -> None:
+    """kind "tied": two non-root units share a weight (TiedPair), which crashed in backward."""
+    for r in ranks.run(2, behaviour.register_parameter_case, kind):
         assert min(r["ref_norms"]) > r["clip"], f"clipping never engaged: norms {r['ref_norms']}"
         assert r["our_norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
         assert r["param"] <= 1e-5, r
