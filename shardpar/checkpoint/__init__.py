@@ -68,6 +68,13 @@ def save_checkpoint(
     and the `newest` pointer untouched.
     """
     atomic.check_tag(tag)
+    window = model.backward_passes_per_step * model.microbatches_in_step
+    if partial and model.num_backward % window:  # alike on every rank: they run the same backwards
+        raise ValueError(
+            f"save_checkpoint(partial=True) inside an accumulation window: {model.num_backward % window} of its "
+            f"{window} backward passes have run, and their accumulated gradients are not saved (a resume "
+            "would step on the rest alone); save after optimizer.step()"
+        )
     if num_kept_partial_checkpoints is not None and num_kept_partial_checkpoints < 1:
         raise ValueError(
             f"num_kept_partial_checkpoints={num_kept_partial_checkpoints} must be >= 1 (or None: keep all)"

@@ -361,6 +361,13 @@ def keep_and_newest_case(root: str) -> dict[str, Any]:
         _save(root, "t5", model, opt, user_content={"f": lambda: 0})
     except TypeError as e:
         errors["content"] = str(e)
+    model.backward_passes_per_step = 2  # one backward of a window of two: its gradients exist nowhere on disk
+    batch = models.mlp_batch(5, 2)
+    model.backward(model(x=batch["x"].to(model.policy.compute), y=batch["y"]))
+    try:
+        _save(root, "t6", model, opt)
+    except ValueError as e:
+        errors["mid_window"] = str(e)
     listing_after = sorted(p.name for p in Path(root).iterdir())
     return {
         "listing": listing,

@@ -97,7 +97,8 @@ def test_keep_n_pruning_newest_pointer_and_argument_errors(ranks, tmp_path: Path
     assert r["listing"] == ["newest", "t3_partial", "t4_partial"], r["listing"]
     assert r["newest"] == "t4"
     assert r["content"] == {"tag": "t4-again", "pair": (4, 2.5)}  # tuples survive the JSON round trip
-    assert set(r["errors"]) == {"", "a/b", ".hidden", "newest", "content"}
+    assert set(r["errors"]) == {"", "a/b", ".hidden", "newest", "content", "mid_window"}
+    assert "inside an accumulation window: 1 of its 2 backward passes have run" in r["errors"]["mid_window"]
     assert "function" in r["errors"]["content"] and "no pickle" in r["errors"]["content"]
     assert r["listing_after"] == r["listing"], "failed saves left files behind"
     assert r["scaler"]["restored"] == r["scaler"]["saved"] and r["scaler"]["model"] == 512.0
