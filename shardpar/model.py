@@ -179,11 +179,14 @@ class DistributedModel(nn.Module):
     # ---- hooks --------------------------------------------------------------------------------
 
     def _make_pre_forward(self, unit: Unit) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any) -> Any:
             # During backward this is an activation-checkpoint recomputation: the unit belongs to
             # its backward until its grads are reduced.
             backward = _in_backward()
             self.scheduler.require(unit, "bwd" if backward else "fwd", backward=backward)
+            if unit.deps and not backward and torch.is_grad_enabled():
+                return _after_backward_of_call(unit, args)
+            return None
 
         return hook
 
@@ -292,6 +295,7 @@ class DistributedModel(nn.Module):
         torch.no_grad) left gathered -- the root keeps its parameters for the backward -- since those
         values are stale now; the next forward gathers the stepped ones."""
         for unit in self.units:
+            unit.borrow_calls = 0  # calls from graphs that never got a backward
             if unit.state is not UnitState.SHARDED:
                 unit.holders.clear()
                 unit.reshard("")
@@ -382,6 +386,40 @@ class DistributedModel(nn.Module):
 
     def all_sharded(self) -> bool:
         return all(u.state is UnitState.SHARDED for u in self.units)
+
+
+class _CallBackwardDone(torch.autograd.Function):
+    """Identity on a forward call's tensor inputs; its backward runs once the gradients of all of them
+    are computed -- the call's whole backward has run -- and before they flow on to whoever produced
+    the inputs (FSDP2 puts its post-backward in the same place)."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: Unit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        unit = ctx.unit
+        unit.borrow_calls -= 1
+        if unit.borrow_calls == 0:
+            unit.release_borrowed()
+        return (None, *grads)
+
+
+def _after_backward_of_call(unit: Unit, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A forward call of a unit that borrows parameters: route its positional tensor inputs through
+    _CallBackwardDone, so that its backward holds on the lenders end with its backward ([Note:
+    holders] in unit.py). Without such inputs the holds last to the end of the backward."""
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not positions:
+        return None
+    unit.borrow_calls += 1
+    passed = _CallBackwardDone.apply(unit, *(args[i] for i in positions))
+    out = list(args)
+    for i, t in zip(positions, passed, strict=True):
+        out[i] = t
+    return tuple(out)
 
 
 def _late_gradient(unit: Unit, p: torch.Tensor) -> RuntimeError:

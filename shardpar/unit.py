@@ -9,9 +9,12 @@ A unit stays unsharded while any *holder* needs it: "fwd" (its own forward), "bw
 from the pre-backward hook or an activation-checkpoint recomputation until its grads are reduced),
 or "<holder>@<unit>" when another unit uses one of its parameters (tied weights,
 smp.register_parameter). `reshard` drops one holder and frees the buffer when none is left, so a
-parameter is never freed under a user that still needs it. A borrower's "bwd@<unit>" hold lasts
-until the end of the backward: the borrower's own grads may arrive before the backward of an op
-that saved the borrowed parameter.
+parameter is never freed under a user that still needs it. A borrower's "bwd@<unit>" hold is not
+dropped when the borrower's own grads arrive -- they may come before the backward of an op that
+saved the borrowed parameter (`x @ w`) -- but once the gradients of the tensor inputs of each of
+its forward calls have been computed, which is when its whole backward has run (`release_borrowed`,
+called from model.py's _CallBackwardDone); a call without such inputs leaves it to the end of the
+backward.
 """
 
 from __future__ import annotations
@@ -104,6 +107,8 @@ class Unit:
         self.state = UnitState.SHARDED
         self.holders: set[str] = set()
         self.deps: list[Unit] = []  # units whose parameters this unit's forward uses
+        # Forward calls of this unit whose inputs have not all got their gradient yet ([Note: holders]).
+        self.borrow_calls = 0
         self._full: torch.Tensor | None = None
         self._gather_work: Work | None = None
         self.num_trainable = sum(p.requires_grad for p in params)
@@ -191,14 +196,17 @@ class Unit:
         for p, spec in zip(self.params, self.layout.specs, strict=True):
             p.data = full[spec.offset : spec.offset + spec.numel].view(spec.shape)
 
+    def release_borrowed(self) -> None:
+        """Drop this unit's backward holds on the units it borrows from (see [Note: holders])."""
+        for dep in self.deps:
+            if f"bwd@{self.index}" in dep.holders:
+                dep.reshard(f"bwd@{self.index}")
+
     def reshard(self, holder: str) -> None:
         """Drop `holder`; free the gathered buffer once nobody holds the unit."""
         if holder in self.holders:
             self.holders.discard(holder)
-            # A backward keeps what it borrowed until the whole backward ends (`_finish_backward`
-            # releases every holder): this unit's own grads can arrive before the backward of an op
-            # that saved the borrowed parameter itself (`x @ w`), which still needs its data.
-            if holder != "bwd":
+            if holder != "bwd":  # a backward's hold goes in release_borrowed ([Note: holders])
                 for dep in self.deps:
                     dep.reshard(f"{holder}@{self.index}")
         if self.holders or self.state is UnitState.SHARDED:

@@ -465,3 +465,92 @@ def forward_without_backward_before_step_case() -> dict[str, Any]:
         ref_opt.zero_grad()
     full, expected = model.state_dict(), ref.state_dict()
     return {"loss": worst, "param": max((full[k] - expected[k]).abs().max().item() for k in expected)}
+
+
+class _Owner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.A = nn.Parameter(torch.randn(32, 32) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.A)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(32, 32) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(32, 32) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(x @ self.w1) @ self.w2
+
+
+class _TiedHead(nn.Module):
+    """A BERT-MLM-like head: its own dense layer, then a decoder tied to the owner's weight."""
+
+    def __init__(self, A: nn.Parameter) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+        self.A = A
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) @ self.A.T
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = _Owner()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.head = _TiedHead(self.inp.A)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return nn.functional.cross_entropy(self.head(h), y)
+
+
+def tied_head_live_cap_case() -> dict[str, Any]:
+    """The head borrows the owner's weight and runs first in backward. Its hold on the owner ends with
+    the head's backward, so the owner is not kept gathered through every block's backward: with a cap
+    of 2100 elements (owner 1024 + head 1056 = 2080; a block is 2048) nothing exceeds it."""
+    import warnings
+
+    cap = 2100
+    smp.init({"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 4,
+              "sdp_max_live_parameters": cap, "sdp_gradient_clipping": 0.0})  # fmt: skip
+    model = smp.DistributedModel(_TiedLM(), wrap=[_Owner, _Block, _TiedHead])
+    ref = _TiedLM()
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rank, world = smp.rank(), smp.size()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(2 * world, 32, generator=g), torch.randint(0, 32, (2 * world,), generator=g)
+            loss = model(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+            model.live.peak = model.live.live
+            model.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            nn.functional.cross_entropy(ref.head(_ref_trunk(ref, x)), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    full, want = model.state_dict(), ref.state_dict()
+    return {
+        "backward_peak": model.live.peak,
+        "cap": cap,
+        "warnings": [str(w.message) for w in caught if "sdp_max_live_parameters" in str(w.message)],
+        "param": max((full[k] - want[k]).abs().max().item() for k in want),
+    }
+
+
+def _ref_trunk(ref: _TiedLM, x: torch.Tensor) -> torch.Tensor:
+    h = ref.inp(x)
+    for b in ref.blocks:
+        h = b(h)
+    return h

@@ -122,3 +122,9 @@ def test_a_unit_run_twice_under_reentrant_checkpointing_is_an_error_not_wrong_gr
 def test_a_forward_without_backward_before_the_step_leaves_nothing_stale(ranks) -> None:
     for r in ranks.run(2, behaviour.forward_without_backward_before_step_case):
         assert r["loss"] <= 1e-6 and r["param"] <= 1e-6, r
+
+
+def test_a_borrowers_hold_ends_with_its_backward_under_the_live_cap(ranks) -> None:
+    for r in ranks.run(2, behaviour.tied_head_live_cap_case):
+        assert r["backward_peak"] <= r["cap"] and r["warnings"] == [], r
+        assert r["param"] <= 1e-6, r
