@@ -84,26 +84,25 @@ class SmddpWork:
     peer, and that error (raised here) is the useful one. This deadline is the backstop for a
     worker that stopped making progress at all."""
 
-    def __init__(self, future: Future[None], timeout_s: float, what: str = "collective") -> None:
-        self._future, self._timeout_s, self._what = future, timeout_s, what
+    def __init__(
+        self, future: Future[None], timeout_s: float, op: str = "collective", group: Group | None = None
+    ) -> None:
+        self._future, self._timeout_s, self._op, self._group = future, timeout_s, op, group
 
     def wait(self, timeout: float | None = None) -> None:
         seconds = 2 * self._timeout_s + 10 if timeout is None else timeout
         try:
             self._future.result(timeout=seconds)
         except FutureTimeout:
+            where = f" on {self._group.kind} group {list(self._group.ranks)}" if self._group is not None else ""
             raise TimeoutError(
-                f"smddp {self._what} did not finish within {seconds:g} s of waiting for it (collective_timeout_s="
+                f"smddp {self._op}{where} did not finish within {seconds:g} s of waiting for it (collective_timeout_s="
                 f"{self._timeout_s:g}); look for an earlier error on another rank, or raise collective_timeout_s "
                 "if the ranks are only slow"
             ) from None
 
     def is_completed(self) -> bool:
         return self._future.done()
-
-
-def _what(op: str, group: Group) -> str:
-    return f"{op} on {group.kind} group {list(group.ranks)}"
 
 
 def _shm_op(op: ReduceOp) -> str:
@@ -173,13 +172,14 @@ class SmddpEngine:
 
     # ---- the worker ------------------------------------------------------------------------------
 
-    def _submit(self, fn: Callable[[], None], async_op: bool, what: str) -> Work:
+    def _submit(self, fn: Callable[[], None], async_op: bool, op: str, group: Group) -> Work:
+        """Run `fn` (the collective `op` on `group`, named only if its wait times out)."""
         if not async_op and (self._last is None or self._last.done()):
             # Nothing queued (FIFO, one worker): run on the caller and skip the thread hand-off.
             fn()
             return CompletedWork()
         self._last = self._worker.submit(fn)
-        work = SmddpWork(self._last, self.options.timeout_s, what)
+        work = SmddpWork(self._last, self.options.timeout_s, op, group)
         if async_op:
             return work
         work.wait()
@@ -212,11 +212,9 @@ class SmddpEngine:
             output.copy_(input)
             return CompletedWork()
         if route == "shm":
-
-            def gather() -> None:
-                self._comm(group.ranks).all_gather(output, input)
-
-            return self._submit(gather, async_op, _what("all_gather", group))
+            return self._submit(
+                lambda: self._comm(group.ranks).all_gather(output, input), async_op, "all_gather", group
+            )
         if route == "hierarchical":
             return self._hierarchical_gather(output, input, group, async_op)
         return self.native.all_gather(output, input, group, async_op=async_op)
@@ -239,7 +237,8 @@ class SmddpEngine:
             return self._submit(
                 lambda: self._comm(group.ranks).reduce_scatter(output, input, _shm_op(op)),
                 async_op,
-                _what("reduce_scatter", group),
+                "reduce_scatter",
+                group,
             )
         return self.native.reduce_scatter(output, input, group, op=op, async_op=async_op)
 
@@ -262,7 +261,8 @@ class SmddpEngine:
         return self._submit(
             lambda: self._comm(group.ranks).reduce_scatter_spans(output, spans, comm_op),
             async_op,
-            _what("reduce_scatter", group),
+            "reduce_scatter",
+            group,
         )
 
     def reads_spans(self, output: torch.Tensor, group: Group) -> bool:
@@ -280,7 +280,7 @@ class SmddpEngine:
             if not tensor.is_contiguous():
                 raise ValueError("all_reduce: the tensor must be contiguous; call .contiguous() first")
             return self._submit(
-                lambda: self._comm(group.ranks).all_reduce(tensor, _shm_op(op)), async_op, _what("all_reduce", group)
+                lambda: self._comm(group.ranks).all_reduce(tensor, _shm_op(op)), async_op, "all_reduce", group
             )
         return self.native.all_reduce(tensor, group, op=op, async_op=async_op)
 
@@ -292,16 +292,14 @@ class SmddpEngine:
             return CompletedWork()
         if route == "shm" and tensor.is_contiguous():
             index = group.rank_of(src)
-            return self._submit(
-                lambda: self._comm(group.ranks).broadcast(tensor, index), async_op, _what("broadcast", group)
-            )
+            return self._submit(lambda: self._comm(group.ranks).broadcast(tensor, index), async_op, "broadcast", group)
         return self.native.broadcast(tensor, src, group, async_op=async_op)
 
     def barrier(self, group: Group) -> None:
         if group.size == 1:
             return
         if self._one_node(group):
-            self._submit(lambda: self._comm(group.ranks).barrier(), False, _what("barrier", group))
+            self._submit(lambda: self._comm(group.ranks).barrier(), False, "barrier", group)
             return
         self.native.barrier(group)
 
@@ -339,7 +337,7 @@ class SmddpEngine:
             # staged is [local][node][shard]; the group's order is [node][local][shard].
             output.view(num_nodes, num_local, shard).copy_(staged.view(num_local, num_nodes, shard).transpose(0, 1))
 
-        return self._submit(node_step, async_op, _what("hierarchical all_gather", group))
+        return self._submit(node_step, async_op, "hierarchical all_gather", group)
 
 
 def _split_by_node(ranks: tuple[int, ...], rpn: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]] | None:

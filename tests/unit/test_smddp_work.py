@@ -7,7 +7,10 @@ from concurrent.futures import Future
 
 import pytest
 
+from shardpar.collectives import Group
 from shardpar.collectives.smddp import SmddpWork
+
+SHARDING = Group("sharding", (0, 1), None)
 
 
 def test_the_default_wait_outlasts_the_transports_own_timeout() -> None:
@@ -16,13 +19,13 @@ def test_the_default_wait_outlasts_the_transports_own_timeout() -> None:
     # the missing peer, must be the one that reaches the caller.
     future: Future[None] = Future()
     threading.Timer(0.3, future.set_result, args=(None,)).start()
-    SmddpWork(future, timeout_s=0.1, what="all_reduce on sharding group [0, 1]").wait()
+    SmddpWork(future, timeout_s=0.1, op="all_reduce", group=SHARDING).wait()
     assert future.done()
 
 
 def test_a_stuck_step_names_itself_and_the_knob() -> None:
     future: Future[None] = Future()
-    work = SmddpWork(future, timeout_s=300, what="all_reduce on sharding group [0, 1]")
+    work = SmddpWork(future, timeout_s=300, op="all_reduce", group=SHARDING)
     named = r"smddp all_reduce on sharding group \[0, 1\] did not finish within 0\.05 s"
     with pytest.raises(TimeoutError, match=named):
         work.wait(timeout=0.05)
