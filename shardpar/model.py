@@ -31,6 +31,7 @@ from shardpar.reducer import GradReducer, plan_buckets
 from shardpar.schedule import LiveCounter, Scheduler
 from shardpar.topology import Topology
 from shardpar.unit import Unit, UnitComm, UnitState
+from shardpar.unit_backward import after_backward_of_call, late_gradient
 from shardpar.units import UnitPlan, WrapPolicy, plan_units
 
 _Registered = dict[int, list[nn.Parameter]]
@@ -185,7 +186,7 @@ class DistributedModel(nn.Module):
             backward = _in_backward()
             self.scheduler.require(unit, "bwd" if backward else "fwd", backward=backward)
             if unit.deps and not backward and torch.is_grad_enabled():
-                return _after_backward_of_call(unit, args)
+                return after_backward_of_call(unit, args)
             return None
 
         return hook
@@ -232,7 +233,7 @@ class DistributedModel(nn.Module):
         if unit is None:
             return  # persistent: reduced at the boundary
         if unit.reduced:
-            raise _late_gradient(unit, p)
+            raise late_gradient(unit, p)
         unit.grads_arrived += 1
         if unit.grads_arrived == unit.num_trainable and not unit.has_frozen:
             self.reducer.add(unit)
@@ -268,8 +269,7 @@ class DistributedModel(nn.Module):
                     unit.finish_accumulation()
             self._agree_on_unused_params()
         for unit in self.units:
-            unit.holders.clear()
-            unit.reshard("")
+            unit.release()
         self.scheduler.end_backward()
 
     def _agree_on_unused_params(self) -> None:
@@ -296,9 +296,7 @@ class DistributedModel(nn.Module):
         values are stale now; the next forward gathers the stepped ones."""
         for unit in self.units:
             unit.borrow_calls = 0  # calls from graphs that never got a backward
-            if unit.state is not UnitState.SHARDED:
-                unit.holders.clear()
-                unit.reshard("")
+            unit.release()
         stats = getattr(self.engine, "stats", None)
         if stats is not None:
             stats.begin_step()
@@ -386,52 +384,6 @@ class DistributedModel(nn.Module):
 
     def all_sharded(self) -> bool:
         return all(u.state is UnitState.SHARDED for u in self.units)
-
-
-class _CallBackwardDone(torch.autograd.Function):
-    """Identity on a forward call's tensor inputs; its backward runs once the gradients of all of them
-    are computed -- the call's whole backward has run -- and before they flow on to whoever produced
-    the inputs (FSDP2 puts its post-backward in the same place)."""
-
-    @staticmethod
-    def forward(ctx: Any, unit: Unit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.unit = unit
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        unit = ctx.unit
-        unit.borrow_calls -= 1
-        if unit.borrow_calls == 0:
-            unit.release_borrowed()
-        return (None, *grads)
-
-
-def _after_backward_of_call(unit: Unit, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """A forward call of a unit that borrows parameters: route its positional tensor inputs through
-    _CallBackwardDone, so that its backward holds on the lenders end with its backward ([Note:
-    holders] in unit.py). Without such inputs the holds last to the end of the backward."""
-    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    if not positions:
-        return None
-    unit.borrow_calls += 1
-    passed = _CallBackwardDone.apply(unit, *(args[i] for i in positions))
-    out = list(args)
-    for i, t in zip(positions, passed, strict=True):
-        out[i] = t
-    return tuple(out)
-
-
-def _late_gradient(unit: Unit, p: torch.Tensor) -> RuntimeError:
-    """A gradient for a unit whose gradients this backward already reduced: it would be left on .grad,
-    never reduced, and added into the next step's gradient."""
-    name = next((s.fqn for q, s in zip(unit.params, unit.layout.specs, strict=True) if q is p), "?")
-    return RuntimeError(
-        f"{name} (unit {unit.name}) got a gradient after the unit's gradients were reduced in this backward. "
-        "The unit ran more than once inside reentrant activation checkpointing "
-        "(torch.utils.checkpoint(..., use_reentrant=True)), whose nested backwards deliver each use's "
-        "gradient apart; checkpoint it with use_reentrant=False, as PyTorch recommends"
-    )
 
 
 def _module_device(module: nn.Module) -> torch.device:

@@ -13,7 +13,7 @@ parameter is never freed under a user that still needs it. A borrower's "bwd@<un
 dropped when the borrower's own grads arrive -- they may come before the backward of an op that
 saved the borrowed parameter (`x @ w`) -- but once the gradients of the tensor inputs of each of
 its forward calls have been computed, which is when its whole backward has run (`release_borrowed`,
-called from model.py's _CallBackwardDone); a call without such inputs leaves it to the end of the
+called from unit_backward.py's _CallBackwardDone); a call without such inputs leaves it to the end of the
 backward.
 """
 
@@ -201,6 +201,11 @@ class Unit:
         for dep in self.deps:
             if f"bwd@{self.index}" in dep.holders:
                 dep.reshard(f"bwd@{self.index}")
+
+    def release(self) -> None:
+        """Drop every holder and free the gathered buffer (the end of a backward, or of a step)."""
+        self.holders.clear()
+        self.reshard("")
 
     def reshard(self, holder: str) -> None:
         """Drop `holder`; free the gathered buffer once nobody holds the unit."""
