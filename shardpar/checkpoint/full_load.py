@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.full import FULL_FORMAT, HF_INDEX, MANIFEST, SINGLE_FILE
-from shardpar.checkpoint.pieces import Slot, persistent_buffers, slots
+from shardpar.checkpoint.pieces import Slot, buffer_shape_problems, persistent_buffers, slots
 from shardpar.checkpoint.placement import Cut, assemble, plan_fetch
 from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, misfit, read_header
 from shardpar.model import DistributedModel
@@ -87,11 +87,7 @@ class FullLoad:
                 problems.append(f"{key}: shape {list(shape)} in the model, {list(shapes[key])} in the checkpoint")
         buffers = persistent_buffers(self.model)
         used.update(b for b in buffers if b in self.where)
-        problems += [  # copy_ would broadcast a smaller buffer, or fail after the parameters were written
-            f"buffer {b}: shape {list(t.shape)} in the model, {list(shapes[b])} in the checkpoint"
-            for b, t in buffers.items()
-            if b in self.where and tuple(t.shape) != tuple(shapes[b])
-        ]
+        problems += buffer_shape_problems(buffers, shapes)
         if self.strict:
             problems += [f"buffer {b}: not in the checkpoint" for b in buffers if b not in self.where]
             problems += [f"{k}: in the checkpoint, not in the model" for k in self.where if k not in used]

@@ -9,6 +9,7 @@ sits in the full Hugging Face parameter ([Note: full-parameter coordinates] in p
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,16 @@ def persistent_buffers(model: DistributedModel) -> dict[str, torch.Tensor]:
     """Buffers that belong in a state dict (non-persistent ones are rebuilt by the model)."""
     keys = set(model.module.state_dict(keep_vars=True))
     return {n: b for n, b in model.module.named_buffers() if n in keys}
+
+
+def buffer_shape_problems(buffers: Mapping[str, torch.Tensor], saved: Mapping[str, Sequence[int]]) -> list[str]:
+    """Buffers saved with another shape: copy_ would broadcast a smaller one, or fail after the
+    parameters were written, so a load checks them first."""
+    return [
+        f"buffer {b}: shape {list(t.shape)} in the model, {list(saved[b])} in the checkpoint"
+        for b, t in buffers.items()
+        if b in saved and list(t.shape) != list(saved[b])
+    ]
 
 
 def piece_of(optimizer: DistributedOptimizer, p: nn.Parameter) -> nn.Parameter | None:

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from shardpar.checkpoint import index as ix
-from shardpar.checkpoint.pieces import Slot, fqn_of_piece, persistent_buffers, piece_of, slots
+from shardpar.checkpoint.pieces import Slot, buffer_shape_problems, fqn_of_piece, persistent_buffers, piece_of, slots
 from shardpar.checkpoint.placement import Cut, Segment, assemble, plan_fetch, reads
 from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, dtype_of, misfit
 from shardpar.model import DistributedModel
@@ -115,11 +115,7 @@ class LoadJob:
             if fqn in saved and list(s.cut.full_shape) != saved[fqn]["shape"]
         ]
         buffers, saved_buffers = persistent_buffers(self.model), self.index["buffers"]
-        problems += [  # copy_ would broadcast a smaller buffer, or fail after the parameters were written
-            f"buffer {b}: shape {list(t.shape)} in the model, {list(saved_buffers[b]['shape'])} in the checkpoint"
-            for b, t in buffers.items()
-            if b in saved_buffers and list(t.shape) != list(saved_buffers[b]["shape"])
-        ]
+        problems += buffer_shape_problems(buffers, {b: entry["shape"] for b, entry in saved_buffers.items()})
         if self.strict:
             problems += [f"{f}: in the model, not in the checkpoint" for f in mine if f not in saved]
             problems += [f"{f}: in the checkpoint, not in the model" for f in saved if f not in mine]
