@@ -115,15 +115,13 @@ def _check_same_config(cfg: Config, ranks_per_node: int, world: int) -> None:
     if world == 1:
         return
     mine = {**dataclasses.asdict(cfg), "ranks_per_node (or LOCAL_WORLD_SIZE)": ranks_per_node}
-    everyone: list[dict[str, Any] | None] = [None] * world
+    everyone: list[Any] = [None] * world  # all_gather_object fills every entry
     dist.all_gather_object(everyone, mine)
-    first = everyone[0] or {}
+    first = everyone[0]
     for rank, knobs in enumerate(everyone):
-        differ = [k for k in mine if (knobs or {}).get(k) != first.get(k)]
+        differ = [k for k in mine if knobs[k] != first[k]]
         if differ:
-            said = "; ".join(
-                f"{k} is {first.get(k)!r} on rank 0 but {(knobs or {}).get(k)!r} on rank {rank}" for k in differ
-            )
+            said = "; ".join(f"{k} is {first[k]!r} on rank 0 but {knobs[k]!r} on rank {rank}" for k in differ)
             raise ValueError(
                 f"smp.init: every rank must use the same config: {said}. Pass the same config to every rank"
             )

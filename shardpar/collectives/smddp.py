@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -356,13 +357,10 @@ def _agree_on_job(collective: bool, world: int, ranks_per_node: int) -> str:
     the same ranks per node and that no node spans two hosts: its ranks could not share memory, and
     would wait for each other at the first shm collective until the timeout."""
     mine = (uuid.uuid4().hex[:16], shm.host_id(), ranks_per_node)
-    gathered: list[tuple[str, str, int] | None] = [mine]
+    replies: list[Any] = [mine]
     if collective:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
-    replies = [reply for reply in gathered if reply is not None]
-    if len(replies) != len(gathered):
-        raise AssertionError("all_gather_object left a rank's reply empty")
+        replies = [None] * world  # all_gather_object fills every entry
+        dist.all_gather_object(replies, mine)
     rpn = replies[0][2]  # rank 0's, so that every rank raises the same error
     for rank, (_, _, theirs) in enumerate(replies):
         if theirs != rpn:
