@@ -120,9 +120,9 @@ def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
 
 
 class Layer1(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 6) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(6, 6) * 0.3)
+        self.weight = nn.Parameter(torch.randn(width, width) * 0.3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x @ self.weight)
@@ -432,8 +432,7 @@ def recurrent_unit_under_checkpoint_case(use_reentrant: bool) -> dict[str, Any]:
             ref_opt.zero_grad()
     except RuntimeError as exc:
         return {"error": str(exc)}
-    full, want = model.state_dict(), ref.state_dict()
-    return {"error": "", "diff": max((full[k] - want[k]).abs().max().item() for k in want)}
+    return {"error": "", "diff": models.max_param_diff(model, ref)}
 
 
 def forward_without_backward_before_step_case() -> dict[str, Any]:
@@ -463,17 +462,7 @@ def forward_without_backward_before_step_case() -> dict[str, Any]:
         ref(**batch).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    full, expected = model.state_dict(), ref.state_dict()
-    return {"loss": worst, "param": max((full[k] - expected[k]).abs().max().item() for k in expected)}
-
-
-class _Owner(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.A = nn.Parameter(torch.randn(32, 32) * 0.2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x @ self.A)
+    return {"loss": worst, "param": models.max_param_diff(model, ref)}
 
 
 class _Block(nn.Module):
@@ -502,9 +491,9 @@ class _TiedLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.inp = _Owner()
+        self.inp = Layer1(32)
         self.blocks = nn.ModuleList(_Block() for _ in range(3))
-        self.head = _TiedHead(self.inp.A)
+        self.head = _TiedHead(self.inp.weight)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -522,7 +511,7 @@ def tied_head_live_cap_case() -> dict[str, Any]:
     cap = 2100
     smp.init({"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 4,
               "sdp_max_live_parameters": cap, "sdp_gradient_clipping": 0.0})  # fmt: skip
-    model = smp.DistributedModel(_TiedLM(), wrap=[_Owner, _Block, _TiedHead])
+    model = smp.DistributedModel(_TiedLM(), wrap=[Layer1, _Block, _TiedHead])
     ref = _TiedLM()
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -540,12 +529,11 @@ def tied_head_live_cap_case() -> dict[str, Any]:
             nn.functional.cross_entropy(ref.head(_ref_trunk(ref, x)), y).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-    full, want = model.state_dict(), ref.state_dict()
     return {
         "backward_peak": model.live.peak,
         "cap": cap,
         "warnings": [str(w.message) for w in caught if "sdp_max_live_parameters" in str(w.message)],
-        "param": max((full[k] - want[k]).abs().max().item() for k in want),
+        "param": models.max_param_diff(model, ref),
     }
 
 
