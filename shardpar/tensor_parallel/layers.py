@@ -9,6 +9,7 @@ which parameters are split and how (`TPSplit`); everything else is TP-replicated
     ColumnParallelLinear   Y_r = X W_r^T + b_r        W, b cut along the output features
     RowParallelLinear      Y   = sum_r X_r W_r^T + b  W cut along the input features; b replicated
     VocabParallelEmbedding E   = sum_r E_r(ids)       rows cut by vocab; ids outside the slice give 0
+                                                  (ids outside the vocabulary raise)
 
 The layers are device-agnostic: they compute on whatever device their parameters live on.
 """
@@ -26,6 +27,23 @@ from shardpar.tensor_parallel.comm import (
     reduce_from_tp_region,
 )
 from shardpar.tensor_parallel.split import TPSplit
+
+
+def check_indices(indices: torch.Tensor, limit: int, what: str, fix: str, *, skip: int | None = None) -> None:
+    """Raise IndexError unless every entry of `indices` (but `skip`) lies in [0, limit). A split lookup
+    cannot leave this to torch: an index outside every rank's slice would silently read as zeros.
+    Every TP rank holds the same indices, so the whole group raises together. On an accelerator the
+    check is a device-side assert, as torch's own embedding does there, to keep the host unsynced."""
+    checked = indices if skip is None else indices[indices != skip]
+    if checked.numel() == 0:
+        return
+    if checked.device.type != "cpu":
+        torch._assert_async(((checked >= 0) & (checked < limit)).all(), f"{what} outside [0, {limit}); {fix}")
+        return
+    low, high = int(checked.min()), int(checked.max())
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise IndexError(f"{what} {bad} is outside [0, {limit}); {fix}")
 
 
 def _local_param(full: torch.Tensor, split: TPSplit, rank: int) -> nn.Parameter:
@@ -141,6 +159,12 @@ class VocabParallelEmbedding(TPLayer):
         return {"weight": self._weight_split}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_indices(
+            ids,
+            self.num_embeddings,
+            "input id",
+            "resize the embeddings to the tokenizer (model.resize_token_embeddings) before wrapping the model",
+        )
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         pad = self.padding_idx

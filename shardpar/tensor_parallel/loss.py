@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from shardpar.tensor_parallel.comm import TPComm
+from shardpar.tensor_parallel.layers import check_indices
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -56,6 +57,13 @@ def vocab_parallel_cross_entropy(
     the logits; equals `F.cross_entropy(full_logits, target, reduction="none")`."""
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"logits must be [tokens, vocab/tp] and target [tokens]; got {logits.shape}, {target.shape}")
+    check_indices(
+        target,
+        logits.shape[-1] * comm.size,
+        "target",
+        f"labels must be vocabulary ids or ignore_index={ignore_index} (mark padding with {ignore_index})",
+        skip=ignore_index,
+    )
     out: torch.Tensor = _VocabParallelCrossEntropy.apply(logits, target, comm, ignore_index)
     return out
 

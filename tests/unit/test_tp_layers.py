@@ -218,3 +218,31 @@ def test_causal_lm_loss_matches_hugging_face() -> None:
             assert abs(r.item() - ref.item()) <= 1e-6
     with pytest.raises(ValueError, match="vocab_size=13"):
         on_tp_ranks(2, lambda comm: VocabParallelCausalLMLoss(comm)(comm.slice_last(logits), labels, 13))
+
+
+def _raised(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except IndexError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ids_and_targets_outside_the_vocabulary_raise_on_every_rank() -> None:
+    """Split lookups cannot rely on torch's own range check: an id outside every rank's slice would
+    read as zeros on all ranks, and a target outside every slice would give a finite loss."""
+    emb = nn.Embedding(8, 3)
+    logits = torch.randn(3, 8)
+    cases: dict[str, Callable[[TPComm], Any]] = {
+        "id 8": lambda comm: VocabParallelEmbedding(emb.weight, comm)(torch.tensor([[1, 8]])),
+        "id -1": lambda comm: VocabParallelEmbedding(emb.weight, comm)(torch.tensor([[-1, 2]])),
+        "target 8": lambda comm: vocab_parallel_cross_entropy(comm.slice_last(logits), torch.tensor([1, 8, 2]), comm),
+        "target -1": lambda comm: vocab_parallel_cross_entropy(comm.slice_last(logits), torch.tensor([1, -1, 2]), comm),
+    }
+    for name, fn in cases.items():
+        results, _ = on_tp_ranks(2, lambda comm, fn=fn: _raised(lambda: fn(comm)))  # type: ignore[misc]
+        value = name.split()[1]
+        for message in results:
+            assert f"{value} is outside [0, 8)" in message, (name, message)
+    # ignore_index is not a vocabulary id and passes
+    on_tp_ranks(2, lambda comm: vocab_parallel_cross_entropy(comm.slice_last(logits), torch.tensor([1, -100, 7]), comm))
