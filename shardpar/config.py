@@ -171,10 +171,12 @@ class Config:
                 f"shard_optimizer_state=True with sharded_data_parallel_degree={sdp}: the optimizer state is "
                 "already sharded by sharded data parallelism; set shard_optimizer_state=False"
             )
-        if sdp > 1 and self.tensor_parallel_degree > 1 and not self.prescaled_batch:
+        if self.tensor_parallel_degree > 1 and not self.prescaled_batch:
+            # without it every TP rank would train on its own data, and nothing reduces gradients over TP
+            # (SMP v1 all-gathers the batch inside the TP group instead; shardpar does not emulate that)
             raise ValueError(
-                f"tensor_parallel_degree={self.tensor_parallel_degree} with sharded_data_parallel_degree={sdp} "
-                "requires prescaled_batch=True (each TP group reads one combined batch); set it"
+                f"tensor_parallel_degree={self.tensor_parallel_degree} requires prescaled_batch=True (each TP "
+                "group reads one combined batch: shardpar.tensor_parallel.rdp_slice); set it"
             )
         for name in ("smddp_ag_scratch_buffer_size_bytes", "smddp_ag_sort_buffer_size_bytes"):
             value = getattr(self, name)

@@ -55,7 +55,6 @@ def DistributedModel(
         module,
         requested=tensor_parallelism,
         marks=_TP_MARKS,
-        config=st.config,
         topology=st.topology,
         engine=st.engine,
     )

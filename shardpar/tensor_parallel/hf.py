@@ -17,6 +17,7 @@ the same seed hold one consistent model, equal to the unconverted one.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,6 +29,7 @@ from shardpar.tensor_parallel.comm import TPComm, copy_to_tp_region
 from shardpar.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    TPLayer,
     VocabParallelEmbedding,
 )
 from shardpar.tensor_parallel.loss import VocabParallelCausalLMLoss
@@ -199,6 +201,19 @@ def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
     raise AssertionError(f"{type(old).__name__} not found under {type(root).__name__}")
 
 
+def _check_tied_embeddings(model: Any, include: Include) -> None:
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or head.weight is not emb.weight or include(emb) == include(head):
+        return
+    split, kept = ("input embedding", "LM head") if include(emb) else ("LM head", "input embedding")
+    raise ValueError(
+        f"the {split} is marked for tensor parallelism but the {kept} is not, and they share one weight "
+        "(tied word embeddings): one parameter cannot be both split and replicated. Build both under the "
+        "same smp.tensor_parallelism() setting, or untie them (config.tie_word_embeddings=False)"
+    )
+
+
 def _convert_embeddings(model: Any, comm: TPComm, include: Include, vocab_parallel_loss: bool) -> None:
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -210,7 +225,7 @@ def _convert_embeddings(model: Any, comm: TPComm, include: Include, vocab_parall
             raise AssertionError("input embedding without a weight")
         new_emb = VocabParallelEmbedding(weight, comm, padding_idx=emb.padding_idx)
         _replace(model, emb, new_emb)
-    if head is None or not include(head) or (tied and new_emb is None):
+    if head is None or not include(head):
         if vocab_parallel_loss:
             raise ValueError("vocab_parallel_loss=True needs the LM head converted to tensor parallelism")
         return
@@ -220,6 +235,23 @@ def _convert_embeddings(model: Any, comm: TPComm, include: Include, vocab_parall
     _replace(model, head, new_head)
     if vocab_parallel_loss:
         model.loss_function = VocabParallelCausalLMLoss(comm)
+
+
+# config attributes of the dropout on attention probabilities, which runs inside the TP region
+_ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout")
+
+
+def _warn_attention_dropout(config: Any, tp: int) -> None:
+    for name in _ATTENTION_DROPOUT:
+        p = getattr(config, name, 0.0) or 0.0
+        if tp > 1 and p > 0:
+            warnings.warn(
+                f"{name}={p} with tensor_parallel_degree={tp}: attention dropout runs on each rank's own heads "
+                "with the same random stream on every TP rank (there is no per-TP-rank RNG stream yet), so "
+                f"heads on different TP ranks drop the same positions. Set config.{name}=0 for independent "
+                "heads, or accept the correlated masks",
+                stacklevel=3,
+            )
 
 
 def convert_hf_model(
@@ -233,6 +265,13 @@ def convert_hf_model(
     model's own loss runs on them unchanged.
     """
     family = _family(model)
+    converted = next((name for name, m in model.named_modules() if isinstance(m, TPLayer)), None)
+    if converted is not None:
+        raise ValueError(
+            f"{type(model).__name__} is already tensor parallel ({converted or 'the model'} is a TP layer); "
+            "converting again would split the split weights. Convert once: either convert_hf_model, or "
+            "smp.DistributedModel(tensor_parallelism=True) / smp.tensor_parallelism(), not both"
+        )
     check_tp_divisibility(model.config, comm.size)
     if not hasattr(model, "get_input_embeddings"):
         raise TypeError(f"{type(model).__name__} has no get_input_embeddings(); pass a Hugging Face model")
@@ -241,6 +280,8 @@ def convert_hf_model(
     blocks = [m for m in model.modules() if type(m).__name__ == block_class]
     if not blocks:
         raise TypeError(f"no {block_class} found in {type(model).__name__}; nothing to split")
+    _check_tied_embeddings(model, choose)
+    _warn_attention_dropout(model.config, comm.size)
     for block in blocks:
         convert_block(block, comm, choose)
     _convert_embeddings(model, comm, choose, vocab_parallel_loss)

@@ -27,9 +27,9 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from shardpar.collectives import Engine
-from shardpar.config import Config
 from shardpar.tensor_parallel.comm import TPComm
 from shardpar.tensor_parallel.hf import convert_hf_model
+from shardpar.tensor_parallel.layers import TPLayer
 from shardpar.topology import Topology
 
 
@@ -82,7 +82,6 @@ def prepare_model(
     *,
     requested: bool,
     marks: ModuleMarks,
-    config: Config,
     topology: Topology,
     engine: Engine,
 ) -> nn.Module:
@@ -90,6 +89,14 @@ def prepare_model(
     `smp.DistributedModel` before sharding, so each TP rank shards its local parameters."""
     options = marks.resolve(module, TPOptions() if requested else None)
     tp = topology.tp.size
+    converted = [m for m in module.modules() if isinstance(m, TPLayer)]
+    if converted:  # by convert_hf_model already; a second conversion would split the split weights
+        if converted[0].comm.size != tp:
+            raise ValueError(
+                f"the model was converted for a TP group of {converted[0].comm.size} ranks, but "
+                f"tensor_parallel_degree={tp}; convert it with TPComm over smp.get_topology().tp"
+            )
+        return module
     if not any(o is not None and o.enabled for o in options.values()):
         if tp > 1:
             warnings.warn(
@@ -101,12 +108,6 @@ def prepare_model(
         return module
     if tp == 1:
         return module
-    if not config.prescaled_batch:
-        raise ValueError(
-            f"tensor parallelism with tensor_parallel_degree={tp} requires prescaled_batch=True: the TP group "
-            "reads one combined batch and each rank takes its rdp slice "
-            "(shardpar.tensor_parallel.rdp_slice); set prescaled_batch=True in smp.init"
-        )
 
     def include(m: nn.Module) -> bool:
         o = options.get(id(m))

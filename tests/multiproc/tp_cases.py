@@ -203,9 +203,8 @@ def facade_errors() -> dict[str, str]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     messages: dict[str, str] = {}
-    smp.init({"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 1})
     try:
-        smp.DistributedModel(models.tiny_neox(), tensor_parallelism=True)
+        smp.init({"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 1})
     except ValueError as e:
         messages["no_prescaled"] = str(e)
     finally:
@@ -228,6 +227,16 @@ def facade_errors() -> dict[str, str]:
             warnings.simplefilter("always")
             smp.DistributedModel(models.tiny_neox())  # tp 2, but nobody asked for tensor parallelism
         messages["not_converted"] = " | ".join(str(w.message) for w in caught if "tensor parallel" in str(w.message))
+    finally:
+        smp.shutdown()
+    smp.init(dict(TP_KNOBS))
+    try:  # converted by hand, then wrapped with tensor parallelism asked for: converted once, no warning
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            converted = convert_hf_model(models.tiny_neox(), _tp_comm())
+            wrapped = smp.DistributedModel(converted, tensor_parallelism=True)
+        shapes = {n: tuple(p.shape) for n, p in wrapped.module.named_parameters() if "embed_in" in n}
+        messages["converted_first"] = f"{shapes} {[str(w.message) for w in caught]}"
     finally:
         smp.shutdown()
     return messages

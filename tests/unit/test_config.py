@@ -118,7 +118,7 @@ def test_unknown_key_suggests_the_right_one() -> None:
             r"tensor_parallel_degree 2\); try one of 1, 2",
         ),
         (
-            {"tensor_parallel_degree": 3},
+            {"tensor_parallel_degree": 3, "prescaled_batch": True},
             8,
             r"tensor_parallel_degree=3 must divide the world size 8; try one of 1, 2, 4, 8",
         ),
@@ -168,8 +168,10 @@ def test_world_rules(knobs: dict, world: int, pattern: str) -> None:
         ({"ddp_dist_backend": "mpi"}, r"ddp_dist_backend='mpi' is not one of \('auto', 'nccl', 'smddp'\); use 'auto'"),
         (
             {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2},
-            r"tensor_parallel_degree=2 with sharded_data_parallel_degree=2 requires prescaled_batch=True",
+            r"tensor_parallel_degree=2 requires prescaled_batch=True \(each TP group reads one combined batch",
         ),
+        # sdp 1 too: TP ranks reading their own data train copies that drift apart
+        ({"tensor_parallel_degree": 2}, r"tensor_parallel_degree=2 requires prescaled_batch=True"),
         ({"ddp": False}, r"ddp=False is not supported: shardpar always runs with ddp=True"),
         ({"enabled": False, "parameters": {}}, r"enabled=False: shardpar needs 'enabled': True"),
         # the shm transport's limit, refused here rather than at the first shm collective

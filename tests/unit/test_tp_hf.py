@@ -3,6 +3,8 @@ and the HF conversion's structure (one simulated rank group of 2, no processes).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -117,6 +119,12 @@ def _tiny_llama() -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _tiny_gpt2(**kw: float) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=64, **{"attn_pdrop": 0.0, **kw})
+    return transformers.GPT2LMHeadModel(cfg)
+
+
 def test_llama_conversion_keeps_hf_names_and_splits_the_right_dims() -> None:
     model = _tiny_llama()
     names = [n for n, _ in model.named_parameters()]
@@ -134,8 +142,7 @@ def test_llama_conversion_keeps_hf_names_and_splits_the_right_dims() -> None:
 
 
 def test_tied_gpt2_stays_tied_and_fused_qkv_uses_parts() -> None:
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=64))
+    model = _tiny_gpt2()
     convert_hf_model(model, _comm(2, 0))
     assert model.lm_head.weight is model.transformer.wte.weight
     attn = model.transformer.h[0].attn
@@ -198,3 +205,36 @@ def test_rdp_slice_gives_each_tp_group_its_rows() -> None:
         rdp_slice(batch, rdp_rank=0, rdp_size=3)
     with pytest.raises(ValueError, match="rdp_rank=2"):
         rdp_slice(batch, rdp_rank=2, rdp_size=2)
+
+
+def test_a_converted_model_is_not_converted_again() -> None:
+    model = convert_hf_model(_tiny_llama(), _comm(2, 0))
+    with pytest.raises(ValueError, match=r"already tensor parallel \(model\.embed_tokens is a TP layer\)"):
+        convert_hf_model(model, _comm(2, 0))
+    assert model.model.embed_tokens.weight.shape == (32, 32)  # not split twice
+
+
+def test_tied_embeddings_split_on_one_side_only_are_refused_before_any_change() -> None:
+    """A tied weight cannot be split for the embedding and replicated for the LM head: the tie would
+    silently break and the two copies train apart."""
+    for keep in ("lm_head", "wte"):
+        model = _tiny_gpt2()
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        skip = model.lm_head if keep == "lm_head" else model.transformer.wte
+        with pytest.raises(ValueError, match=r"share one weight \(tied word embeddings\)"):
+            convert_hf_model(model, _comm(2, 0), include=lambda m, skip=skip: m is not skip)  # type: ignore[misc]
+        assert {n: p.shape for n, p in model.named_parameters()} == shapes
+        assert not any(isinstance(m, ColumnParallelLinear) for m in model.modules())
+
+
+def test_attention_dropout_under_tensor_parallelism_warns() -> None:
+    """Each TP rank draws the same dropout masks for its own heads (no per-TP-rank RNG stream)."""
+    with pytest.warns(UserWarning, match=r"attn_pdrop=0\.1 with tensor_parallel_degree=2: .* same random stream"):
+        convert_hf_model(_tiny_gpt2(attn_pdrop=0.1), _comm(2, 0))
+    with pytest.warns(UserWarning, match=r"attention_dropout=0\.2"):
+        model = _tiny_llama()
+        model.config.attention_dropout = 0.2
+        convert_hf_model(model, _comm(2, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_hf_model(_tiny_gpt2(), _comm(2, 0))  # no dropout: no warning
