@@ -72,8 +72,14 @@ class DistributedModel(nn.Module):
         self.topology = topology
         self.engine = engine
         self.backward_passes_per_step = backward_passes_per_step
-        self.num_backward = 0
+        self.num_backward = 0  # every backward pass so far (informational)
         self.microbatches_in_step = 1  # set by smp.step while it runs
+        # Backward passes of the open accumulation window, and the window's length at its last
+        # backward (backward_passes_per_step x micro-batches). Counted, not derived from num_backward:
+        # the micro-batch count is known only while smp.step runs, and a resumed run may use another.
+        self.window_backwards = 0
+        self.window_length = backward_passes_per_step
+        self._backward_ends_window = False
         self.loss_scale = 1.0  # set by the DistributedOptimizer's fp16 loss scaler
         self.unused_params: set[int] = set()  # ids of params without a gradient in the last window
         self.policy = DtypePolicy.from_config(config)
@@ -248,9 +254,9 @@ class DistributedModel(nn.Module):
         self._finalize_queued_for = torch._C._current_graph_task_id()
         for unit in self.units:
             unit.begin_backward()
-        self.reducer.begin_backward(
-            boundary=self.is_accumulation_boundary(self.num_backward), scale=1.0 / self.microbatches_in_step
-        )
+        self.window_length = self.backward_passes_per_step * self.microbatches_in_step
+        self._backward_ends_window = self.window_backwards + 1 >= self.window_length
+        self.reducer.begin_backward(boundary=self._backward_ends_window, scale=1.0 / self.microbatches_in_step)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
@@ -263,7 +269,8 @@ class DistributedModel(nn.Module):
         self.reducer.drain(scale=scale)
         self.persistent.collect_grads(scale=scale)
         self.num_backward += 1
-        if self.is_accumulation_boundary(self.num_backward - 1):
+        self.window_backwards = 0 if self._backward_ends_window else self.window_backwards + 1
+        if self._backward_ends_window:
             if not self.reducer.replicates:  # else the buckets carried it ([Note: replication in the bucket])
                 for unit in self.units:
                     unit.finish_accumulation()
@@ -321,10 +328,6 @@ class DistributedModel(nn.Module):
         self.live.trace = [] if enabled else None
 
     # ---- accumulation -------------------------------------------------------------------------
-
-    def is_accumulation_boundary(self, backward_index: int) -> bool:
-        window = self.backward_passes_per_step * self.microbatches_in_step
-        return (backward_index + 1) % window == 0
 
     # ---- nn.Module surface --------------------------------------------------------------------
 

@@ -139,18 +139,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _check_window(self) -> None:
         """Refuse a step inside an accumulation window, before anything changes: the main grads are
         partial sums not yet AllReduced over the replication group, so the replicas would diverge.
-
-        The window is the model's own: backward_passes_per_step, times smp.step's micro-batches
-        while smp.step runs. Once smp.step has returned the model no longer knows its micro-batch
-        count, so with `microbatches` m > 1 a step is caught only when the backward count is not a
-        multiple of backward_passes_per_step (k = 2, m = 2: a step after one smp.step call passes).
-        """
+        The window is the model's own: backward_passes_per_step, times smp.step's micro-batches."""
         model = self.model
-        window = model.backward_passes_per_step * model.microbatches_in_step
-        done = model.num_backward % window
+        done, window = model.window_backwards, model.window_length
         if done:
             per_step = model.backward_passes_per_step
-            micro = f" x {model.microbatches_in_step} micro-batches" if model.microbatches_in_step > 1 else ""
+            micro = f" x {window // per_step} micro-batches" if window > per_step else ""
             raise ValueError(
                 f"optimizer.step() after {done} of the {window} backward passes of an accumulation window "
                 f"(backward_passes_per_step={per_step}{micro}): the gradients are not reduced over the "

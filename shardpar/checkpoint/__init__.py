@@ -68,12 +68,14 @@ def save_checkpoint(
     and the `newest` pointer untouched.
     """
     atomic.check_tag(tag)
-    window = model.backward_passes_per_step * model.microbatches_in_step
-    if partial and model.num_backward % window:  # alike on every rank: they run the same backwards
+    if partial:
+        _refuse_inside_window(
+            model, "save_checkpoint(partial=True)", "are not saved (a resume would step on the rest alone); save"
+        )
+    if full_dtype is not None and not (isinstance(full_dtype, torch.dtype) and full_dtype.is_floating_point):
         raise ValueError(
-            f"save_checkpoint(partial=True) inside an accumulation window: {model.num_backward % window} of its "
-            f"{window} backward passes have run, and their accumulated gradients are not saved (a resume "
-            "would step on the rest alone); save after optimizer.step()"
+            f"full_dtype={full_dtype!r} must be a floating-point torch.dtype (e.g. torch.bfloat16, "
+            "torch.float16 or None for float32): the export would cast the weights to it"
         )
     if num_kept_partial_checkpoints is not None and num_kept_partial_checkpoints < 1:
         raise ValueError(
@@ -170,6 +172,15 @@ def _save_full(
     return Path(coord.on_root("save_checkpoint(partial=False): committing", commit))
 
 
+def _refuse_inside_window(model: DistributedModel, what: str, lost: str) -> None:
+    done = model.window_backwards
+    if done:  # alike on every rank: they run the same backwards
+        raise ValueError(
+            f"{what} inside an accumulation window: {done} of its {model.window_length} backward passes have run, and "
+            f"their accumulated gradients {lost} after optimizer.step()"
+        )
+
+
 def resume_from_checkpoint(
     path: PathLike,
     tag: str | None = None,
@@ -191,6 +202,7 @@ def resume_from_checkpoint(
     resumes any partial checkpoint (see placement.py). The RNG state is restored when the world size
     and the tensor-parallel degree are unchanged. A full checkpoint restores the model only.
     """
+    _refuse_inside_window(model, "resume_from_checkpoint", "would be added to the loaded model's first step; resume")
     root, coord = Path(path), Coordinator(topology, engine)
     # A re-save that crashed between its two renames is undone first ([Note: re-saving a tag]).
     coord.on_root("resume_from_checkpoint: recovering", lambda: atomic.recover(root))
@@ -208,7 +220,7 @@ def resume_from_checkpoint(
         coord.gather("resume_from_checkpoint", check)
         if job is None:
             raise AssertionError("checked load job missing")
-        return job.apply()
+        return _start_window(model, job.apply())
     load: _full_load.FullLoad | None = None
 
     def check_full() -> None:
@@ -219,7 +231,15 @@ def resume_from_checkpoint(
     coord.gather("resume_from_checkpoint(partial=False)", check_full)
     if load is None:
         raise AssertionError("checked full load missing")
-    return load.apply()
+    return _start_window(model, load.apply())
+
+
+def _start_window(model: DistributedModel, user_content: Any) -> Any:
+    # A resumed run starts an accumulation window under its own backward_passes_per_step and micro-batch
+    # count, which may differ from the saving run's: a partial save is taken at a window's end, and a full
+    # one saves no gradients. (Restoring the saved backward count put a run with another window mid-window.)
+    model.window_backwards = 0
+    return user_content
 
 
 def load_consolidated(path: PathLike, tag: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -35,7 +35,6 @@ class FullLoad:
     strict: bool
     where: dict[str, str]  # state_dict key -> file name
     user_content: Any = None
-    num_backward: int | None = None
 
     @classmethod
     def check(cls, directory: Path, model: DistributedModel, strict: bool) -> FullLoad:
@@ -60,7 +59,6 @@ class FullLoad:
         load._match(shapes)
         if info:
             load.user_content = ix.decode(info["user_content"])
-            load.num_backward = info.get("num_backward")
         return load
 
     def _aliases(self) -> Iterator[tuple[Any, list[str], tuple[int, ...]]]:
@@ -106,8 +104,6 @@ class FullLoad:
         for unit in self.model.units:
             unit.refresh_compute()
         self.model.persistent.refresh_compute()
-        if self.num_backward is not None:
-            self.model.num_backward = int(self.num_backward)
         return self.user_content
 
 

@@ -187,7 +187,6 @@ class LoadJob:
                 self._load_rng(reader)
         finally:
             reader.close()
-        self.model.num_backward = int(self.index["num_backward"])
         return ix.decode(self.index["user_content"])
 
     def _load_model(self, reader: Reader) -> None:

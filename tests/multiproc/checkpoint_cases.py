@@ -379,6 +379,35 @@ def keep_and_newest_case(root: str) -> dict[str, Any]:
     }
 
 
+def window_change_case(root: str) -> dict[str, Any]:
+    """Saved after 3 one-backward steps, resumed with backward_passes_per_step=2 (the usual way to keep
+    the global batch on fewer ranks): the resumed run starts a window of its own."""
+    model, opt, sched = _build(sdp=1)  # world 2: two replicas
+    _train(model, opt, sched, range(3))
+    _save(root, "w", model, opt)
+    errors: dict[str, str] = {}
+    try:
+        _save(root, "w_full", model, opt, partial=False, full_dtype=torch.int8)
+    except ValueError as e:
+        errors["full_dtype"] = str(e)
+    model.backward_passes_per_step = 2
+    _resume(root, "w", model, opt)
+    r, n = smp.rdp_rank(), smp.rdp_size()
+    batch = models.mlp_batch(2000, 2 * n)
+    for half in (0, 1):
+        rows = slice(half * n + r, half * n + r + 1)
+        model.backward(model(**{k: v[rows] for k, v in batch.items()}))
+        if half == 0:
+            try:
+                _resume(root, "w", model, opt)
+            except ValueError as e:
+                errors["resume_mid_window"] = str(e)
+    opt.step()  # raised "after 1 of the 2 backward passes" when the saved backward count (3) was restored
+    flat = torch.cat([v.reshape(-1) for v in model.state_dict().values()])
+    replicas = smp.allgather(flat)
+    return {"errors": errors, "replicas_differ": max((t - replicas[0]).abs().max().item() for t in replicas)}
+
+
 # ---- crash during a save -------------------------------------------------------------------------
 
 

@@ -56,3 +56,35 @@ def step_mid_window_case() -> dict[str, Any]:
     opt.step()  # the window is complete now
     changed = not all(torch.equal(a, b) for a, b in zip(before, _everything(model, opt), strict=False))
     return {"error": error, "untouched": untouched, "collectives": collectives, "stepped_after": changed}
+
+
+def step_mid_window_microbatches_case() -> dict[str, Any]:
+    """microbatches=2, backward_passes_per_step=2: a window is two smp.step calls (4 backward passes).
+    A step after one call is refused; the model knows the window although smp.step has returned."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": 1, "microbatches": 2})  # world 2: two replicas
+    torch.manual_seed(0)
+    model = smp.DistributedModel(models.UnevenMLP(), backward_passes_per_step=2)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    rank, world = smp.rank(), smp.size()
+
+    @smp.step
+    def train_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = model(**batch)
+        model.backward(loss)
+        return loss
+
+    def call(seed: int) -> None:
+        batch = models.mlp_batch(seed, 4 * world)
+        train_step(model, {k: v[4 * rank : 4 * rank + 4] for k, v in batch.items()})
+
+    call(0)
+    try:
+        opt.step()
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    call(1)
+    opt.step()
+    flat = torch.cat([v.reshape(-1) for v in model.state_dict().values()])
+    replicas = smp.allgather(flat)
+    return {"error": error, "replicas_differ": max((t - replicas[0]).abs().max().item() for t in replicas)}

@@ -104,6 +104,14 @@ def test_keep_n_pruning_newest_pointer_and_argument_errors(ranks, tmp_path: Path
     assert r["scaler"]["restored"] == r["scaler"]["saved"] and r["scaler"]["model"] == 512.0
 
 
+def test_resume_starts_a_window_of_its_own_and_refuses_mid_window(ranks, tmp_path: Path) -> None:
+    for r in ranks.run(2, cases.window_change_case, str(tmp_path)):
+        assert r["replicas_differ"] == 0.0
+        assert "full_dtype=torch.int8 must be a floating-point torch.dtype" in r["errors"]["full_dtype"]
+        assert "resume_from_checkpoint inside an accumulation window: 1 of its 2" in r["errors"]["resume_mid_window"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["newest", "w_partial"]  # no int8 export
+
+
 def test_sigkill_during_save_keeps_previous_checkpoint(ranks, tmp_path: Path) -> None:
     root = str(tmp_path)
     crash_env = {"SHARDPAR_TEST_POOL": "crash"}  # a pool of its own: the shared world-2 pool survives
