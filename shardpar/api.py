@@ -307,8 +307,14 @@ def barrier(group: CommGroup = CommGroup.WORLD) -> None:
 
 
 def broadcast(obj: Any, group: CommGroup = CommGroup.WORLD, *, src: int | None = None) -> Any:
-    """The object held by global rank `src` (default: the group's first rank), on every member."""
+    """The object held by global rank `src` (default: the group's first rank), on every member: a
+    collective every member calls (SMP v1's broadcast is sender-only, paired with recv_from)."""
     g = _group(group)
+    if src is not None and src not in g.ranks:
+        raise ValueError(
+            f"broadcast src={src} is not in this rank's {group.name} (global ranks {list(g.ranks)}); pass the "
+            "global rank of a member, or src=None for the group's first rank"
+        )
     return broadcast_object(obj, g.ranks[0] if src is None else src, g)
 
 

@@ -44,7 +44,7 @@ class Config:
     sharded_data_parallel_degree: int = _knob(1, "ranks a parameter is sharded over", minimum=1)
     tensor_parallel_degree: int = _knob(1, "ranks a layer is split over (TP groups form first)", minimum=1)
     pipeline_parallel_degree: int = _knob(1, "must be 1: MiCS does not compose with pipelines", minimum=1)
-    shard_optimizer_state: bool = _knob(False, "must be False with sdp > 1 (state is already sharded)")
+    shard_optimizer_state: bool = _knob(False, "must be False (sdp > 1 shards the optimizer state)")
     sdp_reduce_bucket_size: int = _knob(
         int(5e8), "elements per gradient ReduceScatter bucket", minimum=0, exclusive=True
     )
@@ -105,7 +105,13 @@ class Config:
         kwargs = _smddp_env(os.environ if env is None else env)
         names = {f.name for f in dataclasses.fields(cls)}
         for key, value in params.items():
-            key = _ALIASES.get(key, key)
+            real = _ALIASES.get(key)
+            if real is not None and real in params and params[real] != value:
+                raise ValueError(
+                    f"{key}={value!r} and {real}={params[real]!r} disagree ({key} is the SageMaker v1 name of "
+                    f"{real}); give one of them"
+                )
+            key = real or key
             if key in _ACCEPTED_ONLY:
                 if value != _ACCEPTED_ONLY[key]:
                     raise ValueError(f"{key}={value!r} is not supported: shardpar always runs with {key}=True")
@@ -160,16 +166,24 @@ class Config:
                 f"sdp_reduce_dtype={self.sdp_reduce_dtype!r} needs {self.sdp_reduce_dtype}=True (compute dtype is "
                 f"{compute}); reduce in 'fp32' or in the compute dtype"
             )
-        if sdp > 1 and self.pipeline_parallel_degree > 1:
+        # Both knobs are accepted for SageMaker compatibility at their defaults only: shardpar has no
+        # pipeline, and no optimizer-state sharding apart from sharded data parallelism (at sdp 1 they
+        # would be ignored silently).
+        if self.pipeline_parallel_degree > 1:
             raise ValueError(
-                f"pipeline_parallel_degree={self.pipeline_parallel_degree} with sharded_data_parallel_degree="
-                f"{sdp}: sharded data parallelism does not compose with pipeline parallelism; "
-                "set pipeline_parallel_degree=1"
+                f"pipeline_parallel_degree={self.pipeline_parallel_degree}: shardpar has no pipeline parallelism "
+                "(reference 003: sharded data parallelism does not compose with it); set pipeline_parallel_degree=1"
             )
-        if sdp > 1 and self.shard_optimizer_state:
+        if self.shard_optimizer_state:
+            fix = (
+                "the optimizer state is already sharded by sharded data parallelism"
+                if sdp > 1
+                else "to shard the optimizer state, use sharded_data_parallel_degree > 1 (it shards parameters and "
+                "gradients too)"
+            )
             raise ValueError(
-                f"shard_optimizer_state=True with sharded_data_parallel_degree={sdp}: the optimizer state is "
-                "already sharded by sharded data parallelism; set shard_optimizer_state=False"
+                f"shard_optimizer_state=True with sharded_data_parallel_degree={sdp}: {fix}; set "
+                "shard_optimizer_state=False"
             )
         if self.tensor_parallel_degree > 1 and not self.prescaled_batch:
             # without it every TP rank would train on its own data, and nothing reduces gradients over TP

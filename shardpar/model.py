@@ -63,8 +63,9 @@ class DistributedModel(nn.Module):
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+        k = backward_passes_per_step
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:  # 1.5 would never reach a window's end
+            raise ValueError(f"backward_passes_per_step={k!r} must be an integer >= 1 (backward passes per step)")
         if config.delayed_parameter_initialization:
             check_nothing_materialised(module)
         self.module = module

@@ -107,8 +107,11 @@ class StaticLossScaler:
     dynamic = False
 
     def __init__(self, scale: float = 1.0) -> None:
-        if scale <= 0:
-            raise ValueError(f"static_loss_scale={scale} must be > 0")
+        if not (_number(scale) and scale > 0):  # nan or inf would make every fp16 step overflow and skip
+            raise ValueError(
+                f"static_loss_scale={scale!r} must be a finite number > 0 (1.0: no scaling; "
+                "dynamic_loss_scale=True for a scale that adapts)"
+            )
         self.loss_scale = float(scale)
 
     def update(self, overflow: bool) -> None:
@@ -143,20 +146,19 @@ class DynamicLossScaler:
         delayed_shift: int = 1,
         consecutive_hysteresis: bool = False,
     ) -> None:
-        checks = {
-            "init_scale": init_scale > 0,
-            "scale_factor": scale_factor > 1,
-            "scale_window": scale_window >= 1,
-            "min_scale": min_scale > 0,
-            "delayed_shift": delayed_shift >= 1,
+        given = {
+            "loss_scale": init_scale,  # the state's name for it, so the state's rules apply
+            "scale_factor": scale_factor,
+            "scale_window": scale_window,
+            "min_scale": min_scale,
+            "delayed_shift": delayed_shift,
+            "consecutive_hysteresis": consecutive_hysteresis,
         }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(
-                    f"dynamic_loss_args {name}={locals()[name]!r} is out of range "
-                    "(init_scale > 0, scale_factor > 1, scale_window >= 1, min_scale > 0, "
-                    "delayed_shift >= 1)"
-                )
+        for name, value in given.items():
+            ok, what = _DYNAMIC_RULES[name]
+            if not ok(value):
+                arg = "init_scale" if name == "loss_scale" else name
+                raise ValueError(f"dynamic_loss_args {arg}={value!r} must be {what}")
         self.loss_scale = float(init_scale)
         self.scale_factor = float(scale_factor)
         self.scale_window = int(scale_window)
@@ -208,9 +210,15 @@ _DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window", "min_scale", "del
 
 
 def make_loss_scaler(
-    policy: DtypePolicy, *, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args: dict[str, Any] | None
+    policy: DtypePolicy,
+    *,
+    static_loss_scale: float | None,
+    dynamic_loss_scale: bool,
+    dynamic_loss_args: dict[str, Any] | None,
 ) -> LossScaler:
-    """fp16 gets the scaler the user asked for; bf16/fp32 never scale (their range needs none)."""
+    """fp16 gets the scaler the user asked for; bf16/fp32 never scale (their range needs none).
+    `static_loss_scale=None` (SMP v1 scripts pass it next to dynamic_loss_scale=True) means 1.0."""
+    static_loss_scale = 1.0 if static_loss_scale is None else static_loss_scale
     args = dict(dynamic_loss_args or {})
     unknown = sorted(set(args) - set(_DYNAMIC_ARGS))
     if unknown:

@@ -5,6 +5,7 @@ and fill lives in api.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -85,15 +86,16 @@ def tensor_parallelism(enabled: bool = True, *, vocab_parallel_loss: bool = Fals
     return _TP_MARKS.building(TPOptions(enabled=enabled, vocab_parallel_loss=vocab_parallel_loss))
 
 
-def delay_param_initialization() -> AbstractContextManager[None]:
+def delay_param_initialization(enabled: bool = True) -> AbstractContextManager[None]:
     """Build a model inside this context to create no parameter memory: each rank later materialises
-    only its shards (one full parameter at a time), with the values a normal init would give."""
-    return deferred_init()
+    only its shards (one full parameter at a time), with the values a normal init would give.
+    `enabled=False` (SMP v1's signature) builds the model normally."""
+    return deferred_init() if enabled else contextlib.nullcontext()
 
 
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
-    static_loss_scale: float = 1.0,
+    static_loss_scale: float | None = 1.0,
     dynamic_loss_scale: bool = False,
     dynamic_loss_args: dict[str, Any] | None = None,
     *,

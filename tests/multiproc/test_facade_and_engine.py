@@ -27,6 +27,10 @@ def _facade_queries(knobs: dict) -> dict:
         "gathered": smp.allgather(smp.rank() * 10, smp.CommGroup.SDP_GROUP),
         "bcast": smp.broadcast(f"from {smp.rank()}", smp.CommGroup.TP_GROUP),
     }
+    try:  # global rank 3 is in the sharding group of ranks 2 and 3 only: the others raise, nobody waits
+        out["bcast_src3"] = smp.broadcast(f"from {smp.rank()}", smp.CommGroup.SDP_GROUP, src=3)
+    except ValueError as e:
+        out["bcast_src3"] = str(e)
     smp.barrier(smp.CommGroup.REPLICATION_GROUP)
     return out
 
@@ -54,6 +58,13 @@ def test_facade_matches_plan(ranks, world: int, knobs: dict) -> None:
         assert res["groups"] == p.groups_of(r)
         assert res["gathered"] == [x * 10 for x in p.groups_of(r)["sharding"]]
         assert res["bcast"] == f"from {p.groups_of(r)['tp'][0]}"
+        sharding = p.groups_of(r)["sharding"]
+        expected = (
+            "from 3"
+            if 3 in sharding
+            else f"broadcast src=3 is not in this rank's SDP_GROUP (global ranks {list(sharding)})"
+        )
+        assert res["bcast_src3"].startswith(expected), res["bcast_src3"]
 
 
 def _engine_collectives() -> dict:

@@ -136,11 +136,22 @@ def test_world_rules(knobs: dict, world: int, pattern: str) -> None:
     [
         (
             {"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2},
-            r"pipeline_parallel_degree=2 with sharded_data_parallel_degree=2: .* set pipeline_parallel_degree=1",
+            r"pipeline_parallel_degree=2: shardpar has no pipeline parallelism .* set pipeline_parallel_degree=1",
         ),
         (
             {"sharded_data_parallel_degree": 2, "partitions": 2},
-            r"pipeline_parallel_degree=2 with sharded_data_parallel_degree=2",
+            r"pipeline_parallel_degree=2: shardpar has no pipeline parallelism",
+        ),
+        # sdp 1 too: there is no pipeline and no other optimizer-state sharding, so they were ignored
+        ({"pipeline_parallel_degree": 2}, r"pipeline_parallel_degree=2: shardpar has no pipeline parallelism"),
+        (
+            {"shard_optimizer_state": True},
+            r"shard_optimizer_state=True with sharded_data_parallel_degree=1: to shard the optimizer state, use "
+            r"sharded_data_parallel_degree > 1",
+        ),
+        (
+            {"partitions": 2, "pipeline_parallel_degree": 1},
+            r"partitions=2 and pipeline_parallel_degree=1 disagree \(partitions is the SageMaker v1 name",
         ),
         (
             {"sharded_data_parallel_degree": 2, "shard_optimizer_state": True},

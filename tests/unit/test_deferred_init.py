@@ -237,3 +237,14 @@ def test_materialize_onto_cuda_keeps_cpu_init_values() -> None:
         value = materialize(tensor, device="cuda")
         assert value.is_cuda
         _assert_identical(value.cpu(), _tensors(reference)[key], key)
+
+
+def test_delay_param_initialization_takes_smp_v1_enabled_flag() -> None:
+    import shardpar as smp
+
+    with smp.delay_param_initialization(enabled=True):
+        delayed = nn.Linear(3, 2)
+    with smp.delay_param_initialization(enabled=False):
+        eager = nn.Linear(3, 2)
+    assert is_deferred(delayed.weight) and not is_deferred(eager.weight)
+    assert eager.weight.abs().sum() > 0  # initialised now, with real memory

@@ -10,6 +10,7 @@ more), and an overflow at `min_scale` keeps `min_scale` instead of raising.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -135,6 +136,33 @@ def test_static_scaler_never_changes() -> None:
     assert scaler.loss_scale == 64.0
     with pytest.raises(ValueError, match="static_loss_scale=0"):
         StaticLossScaler(0)
+
+
+@pytest.mark.parametrize(
+    ("static", "dynamic_args", "pattern"),
+    [
+        # nan or inf made every fp16 step overflow and skip, silently
+        (float("nan"), None, r"static_loss_scale=nan must be a finite number > 0"),
+        (float("inf"), None, r"static_loss_scale=inf must be a finite number > 0"),
+        (1.0, {"init_scale": float("inf")}, r"dynamic_loss_args init_scale=inf must be a finite number > 0"),
+        (1.0, {"scale_factor": float("nan")}, r"dynamic_loss_args scale_factor=nan must be a finite number > 1"),
+        (1.0, {"scale_window": 0}, r"dynamic_loss_args scale_window=0 must be an integer >= 1"),
+        (1.0, {"delayed_shift": 1.5}, r"dynamic_loss_args delayed_shift=1.5 must be an integer >= 1"),
+    ],
+)
+def test_scaler_arguments_must_be_finite_and_in_range(static: float, dynamic_args: Any, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        make_loss_scaler(
+            FP16, static_loss_scale=static, dynamic_loss_scale=dynamic_args is not None, dynamic_loss_args=dynamic_args
+        )
+
+
+def test_static_loss_scale_none_means_no_static_scale() -> None:
+    """SMP v1 scripts pass static_loss_scale=None next to dynamic_loss_scale=True."""
+    dynamic = make_loss_scaler(FP16, static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=None)
+    assert dynamic.dynamic
+    static = make_loss_scaler(FP16, static_loss_scale=None, dynamic_loss_scale=False, dynamic_loss_args=None)
+    assert static.loss_scale == 1.0 and not static.dynamic
 
 
 # ---- state dicts -------------------------------------------------------------------------------
