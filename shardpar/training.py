@@ -20,6 +20,7 @@ from shardpar.deferred_init import deferred_init
 from shardpar.model import DistributedModel as _DistributedModel
 from shardpar.optimizer import DistributedOptimizer as _DistributedOptimizer
 from shardpar.precision import make_loss_scaler
+from shardpar.same_model import check_same_model
 from shardpar.step import StepOutput, make_step
 from shardpar.tensor_parallel.marks import TPOptions
 from shardpar.tensor_parallel.marks import prepare_model as prepare_tensor_parallel
@@ -52,6 +53,7 @@ def DistributedModel(
     st = state()
     if isinstance(module, _DistributedModel):
         raise ValueError("the module is already a DistributedModel; wrap the plain module once")
+    check_same_model(module, st.topology.group("world"))
     module = prepare_tensor_parallel(
         module,
         requested=tensor_parallelism,

@@ -542,3 +542,34 @@ def _ref_trunk(ref: _TiedLM, x: torch.Tensor) -> torch.Tensor:
     for b in ref.blocks:
         h = b(h)
     return h
+
+
+def different_models_case() -> dict[str, str]:
+    """Models that differ between ranks are refused on every rank with the same error, naming the
+    first difference: another shape (gloo aborted the process), another depth (a timeout), another
+    seed (replicas started apart, silently); the same seed passes. Delayed init is compared by
+    structure only."""
+    smp.init({**SHARD, "sharded_data_parallel_degree": 2})
+    rank = smp.rank()
+    builds = {
+        "width": lambda: models.UnevenMLP(width=13 if rank == 0 else 15),
+        "depth": lambda: models.UnevenMLP(depth=3 if rank == 0 else 4),
+        "seed": lambda: (torch.manual_seed(rank), models.UnevenMLP())[1],
+        "same_seed": lambda: (torch.manual_seed(0), models.UnevenMLP())[1],
+    }
+    out: dict[str, str] = {}
+    for name, build in builds.items():
+        try:
+            smp.DistributedModel(build())
+            out[name] = "ok"
+        except ValueError as e:
+            out[name] = str(e)
+    with smp.delay_param_initialization():
+        torch.manual_seed(rank)  # values are not compared before they exist
+        deferred = models.UnevenMLP()
+    try:
+        smp.DistributedModel(deferred)
+        out["deferred"] = "ok"
+    except ValueError as e:
+        out["deferred"] = str(e)
+    return out

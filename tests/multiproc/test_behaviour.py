@@ -128,3 +128,16 @@ def test_a_borrowers_hold_ends_with_its_backward_under_the_live_cap(ranks) -> No
     for r in ranks.run(2, behaviour.tied_head_live_cap_case):
         assert r["backward_peak"] <= r["cap"] and r["warnings"] == [], r
         assert r["param"] <= 1e-6, r
+
+
+def test_models_that_differ_between_ranks_are_refused_on_every_rank(ranks) -> None:
+    results = ranks.run(2, behaviour.different_models_case)
+    assert results[0] == results[1]  # every rank raised the same error
+    r = results[0]
+    prefix = "smp.DistributedModel: the model differs between ranks: on rank 1, "
+    same = "; build the same model on every rank"
+    seed = "; seed every rank alike (torch.manual_seed(seed)) before building the model"
+    assert r["width"] == prefix + "inp.weight is [13, 13] torch.float32 on rank 0 but [15, 15] torch.float32" + same
+    assert r["depth"] == prefix + "blocks.3.up.weight ([7, 13] torch.float32) is not in rank 0's model" + same
+    assert r["seed"] == prefix + "inp.weight holds other initial values than on rank 0" + seed
+    assert r["same_seed"] == "ok" and r["deferred"] == "ok", r
