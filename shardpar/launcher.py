@@ -17,6 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 _TERMINATE_GRACE_S = 5.0  # how long a terminated rank gets to exit before it is killed
+# How long the queue is still read for a rank that exited 0 without its result having arrived: a
+# result is flushed into the pipe before the rank exits, so this only covers a read just missed.
+_RESULT_GRACE_S = 2.0
 
 
 class LaunchError(RuntimeError):
@@ -62,6 +65,22 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
     queue.put((rank, "ok", payload))
 
 
+def _check_exited(procs: list[Any], results: dict[int, Any], exited_at: dict[int, float]) -> None:
+    """Raise for a rank that died, or that exited 0 and, reads later, has still sent no result
+    (an os._exit(0) somewhere): otherwise the launch would wait out its whole timeout."""
+    now = time.monotonic()
+    for r, p in enumerate(procs):
+        if r in results or p.exitcode is None:
+            continue
+        if p.exitcode != 0:
+            raise LaunchError(f"rank {r} died with exit code {p.exitcode}")
+        if now - exited_at.setdefault(r, now) >= _RESULT_GRACE_S:
+            raise LaunchError(
+                f"rank {r} exited (code 0) without returning a result; something ended its process "
+                "early (os._exit?); let the function return on every rank"
+            )
+
+
 def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 3600.0) -> list[Any]:
     """Run `fn(*args)` on `nprocs` local ranks; return the per-rank results in rank order."""
     ctx = mp.get_context("spawn")
@@ -71,6 +90,7 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: flo
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    exited_at: dict[int, float] = {}  # rank -> when it was first seen exited 0 with no result yet
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < nprocs:
@@ -79,9 +99,7 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: flo
             try:
                 rank, kind, value = queue.get(timeout=0.5)
             except Exception:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    raise LaunchError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                _check_exited(procs, results, exited_at)
                 continue
             if kind == "err":
                 raise LaunchError(f"rank {rank} failed:\n{value}")

@@ -1,16 +1,18 @@
 """`@smp.step`: split a batch into micro-batches, run the step function on each, collect outputs.
 
-Tensors (also inside dicts, lists and tuples) are split along dim 0 into `microbatches` equal
-pieces; everything else is passed unchanged. While the step runs, each micro-batch's gradient is
-added into the main grads times 1/microbatches (whether the step calls `model.backward(loss)` or a
-plain `loss.backward()`; see [Note: micro-batch averaging] in model.py) and the accumulation
-boundary falls after the last micro-batch, so the gradients are the average over micro-batches --
-the same as one backward on the whole batch.
+Tensors (also inside mappings, lists and tuples, namedtuples included) are split along dim 0 into
+`microbatches` equal pieces, each container rebuilt as its own type where it can be; everything else
+is passed unchanged. While the step runs, each micro-batch's gradient is added into the main grads
+times 1/microbatches (whether the step calls `model.backward(loss)` or a plain `loss.backward()`;
+see [Note: micro-batch averaging] in model.py) and the accumulation boundary falls after the last
+micro-batch, so the gradients are the average over micro-batches -- the same as one backward on the
+whole batch.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -62,16 +64,26 @@ def split_batch(obj: Any, num: int) -> list[Any]:
         return list(obj.chunk(num, dim=0))
     if isinstance(obj, Mapping):
         parts = {k: split_batch(v, num) for k, v in obj.items()}
-        return [
-            type(obj)({k: v[i] for k, v in parts.items()})
-            if isinstance(obj, dict)
-            else {k: v[i] for k, v in parts.items()}
-            for i in range(num)
-        ]
+        return [_rebuild_mapping(obj, {k: v[i] for k, v in parts.items()}) for i in range(num)]
     if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
         parts_seq = [split_batch(v, num) for v in obj]
+        if hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments, not one iterable
+            return [type(obj)(*(p[i] for p in parts_seq)) for i in range(num)]
         return [type(obj)(p[i] for p in parts_seq) for i in range(num)]
     return [obj] * num
+
+
+def _rebuild_mapping(obj: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:
+    """A micro-batch of mapping `obj` holding `items`: the same type where it can be built from them."""
+    cls: Any = type(obj)
+    if isinstance(obj, defaultdict):  # its constructor wants the default factory first
+        return cls(obj.default_factory, items)
+    try:
+        return cls(items)  # dict, OrderedDict, HF BatchEncoding, most dict-like classes
+    except TypeError:
+        # A constructor that wants other arguments: hand the step function every key in a plain dict
+        # rather than fail on a container it never asked to have rebuilt.
+        return items
 
 
 def make_step(

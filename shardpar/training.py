@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -24,6 +24,7 @@ from shardpar.same_model import check_same_model
 from shardpar.step import StepOutput, make_step
 from shardpar.tensor_parallel.marks import TPOptions
 from shardpar.tensor_parallel.marks import prepare_model as prepare_tensor_parallel
+from shardpar.units import WrapPolicy
 
 # ---- model, optimizer, step ----------------------------------------------------------------------
 
@@ -41,7 +42,7 @@ def DistributedModel(
     module: nn.Module,
     *,
     backward_passes_per_step: int = 1,
-    wrap: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
+    wrap: WrapPolicy = None,
     tensor_parallelism: bool = False,
 ) -> _DistributedModel:
     """Shard `module` over the sharding group (reference 003); returns the wrapped model.

@@ -2,17 +2,19 @@
 
 Default units: each child of a repeated `nn.ModuleList` (HF `model.layers`, `gpt_neox.layers`,
 `transformer.h`, ...), outermost lists only, plus the root for everything else. `wrap` overrides
-the choice with module classes or a predicate.
+the choice with module classes (a class list that matches nothing is an error) or a predicate.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
-WrapPolicy = Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None
+# module classes (one class means [cls]), or a predicate over modules; None: the default units
+WrapPolicy = Sequence[type[nn.Module]] | type[nn.Module] | Callable[[nn.Module], bool] | None
 
 
 @dataclass
@@ -34,22 +36,35 @@ def _is_repeated_list(m: nn.Module) -> bool:
     )
 
 
+def _class_predicate(root: nn.Module, wrap: object) -> Callable[[nn.Module], bool]:
+    """isinstance over the classes of `wrap`, checked to match at least one module below the root."""
+    classes = tuple(wrap) if isinstance(wrap, Sequence) else (wrap,)
+    if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(
+            f"wrap must be module classes or a predicate, got {wrap!r}; "
+            "pass nn.Module subclasses such as [MyBlock], or a function (module) -> bool"
+        )
+    present = Counter(type(m).__name__ for m in root.modules() if m is not root)  # first-seen order
+    if not any(isinstance(m, classes) for m in root.modules() if m is not root):
+        # Only the root unit would be left, gathering the whole model at once: no sharding at all.
+        shown = ", ".join(f"{name} x{n}" for name, n in list(present.items())[:8])
+        more = f" and {len(present) - 8} more types" if len(present) > 8 else ""
+        raise ValueError(
+            f"wrap={[c.__name__ for c in classes]} matches no module below the root {type(root).__name__} "
+            f"(its modules: {shown or 'none'}{more}); name the class of the repeated block to shard as a "
+            "unit, or leave wrap=None for the default units"
+        )
+    return lambda m: isinstance(m, classes)
+
+
 def choose_unit_modules(root: nn.Module, wrap: WrapPolicy) -> list[tuple[str, nn.Module]]:
     """(FQN, module) of every non-root unit, outermost first, in module order."""
     if wrap is None:
         lists = [(n, m) for n, m in root.named_modules() if _is_repeated_list(m)]
         outer = [(n, m) for n, m in lists if not any(n.startswith(o + ".") for o, _ in lists if o != n)]
         return [(f"{n}.{i}", c) for n, m in outer for i, c in enumerate(m.children())]
-    if callable(wrap) and not isinstance(wrap, Sequence):
-        predicate = wrap
-    else:
-        classes = tuple(wrap)
-        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-            raise TypeError(f"wrap must be module classes or a predicate, got {wrap!r}")
-
-        def predicate(m: nn.Module) -> bool:
-            return isinstance(m, classes)
-
+    # A class is callable too, but it means [cls]: calling it as a predicate would build a module.
+    predicate = wrap if callable(wrap) and not isinstance(wrap, (type, Sequence)) else _class_predicate(root, wrap)
     chosen: list[tuple[str, nn.Module]] = []
     for name, m in root.named_modules():
         if m is root or not predicate(m):

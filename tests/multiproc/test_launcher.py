@@ -1,4 +1,5 @@
-"""launch_local stops the whole launch when a rank fails, even if another rank ignores SIGTERM."""
+"""launch_local stops the whole launch when a rank fails or exits without a result, even if another rank
+ignores SIGTERM."""
 
 from __future__ import annotations
 
@@ -61,3 +62,23 @@ def test_a_result_that_cannot_be_pickled_fails_at_once() -> None:
     with pytest.raises(LaunchError, match=r"rank 0 failed:\nits return value \(lock\) cannot be pickled \(TypeError"):
         launch_local(_return_a_lock, 1, timeout_s=60)
     assert time.monotonic() - start < 30
+
+
+def _exit_quietly_while_a_peer_waits(pid_file: str) -> None:
+    """Rank 1 ends its process with code 0 and no result; rank 0 would wait for ten minutes."""
+    if int(os.environ["RANK"]) == 1:
+        os._exit(0)
+    Path(pid_file).write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_a_rank_that_exits_0_without_a_result_fails_at_once(tmp_path: Path) -> None:
+    # Before, exit code 0 counted as alive: the launcher waited out its whole timeout (3600 s by default).
+    pid_file = tmp_path / "rank0.pid"
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 exited \(code 0\) without returning a result"):
+        launch_local(_exit_quietly_while_a_peer_waits, 2, str(pid_file), timeout_s=30)
+    assert time.monotonic() - start < 20
+    if pid_file.exists():  # rank 0 got as far as waiting: it was stopped, not left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)

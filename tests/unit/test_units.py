@@ -10,7 +10,7 @@ from torch import nn
 
 import shardpar as smp
 from shardpar.units import choose_unit_modules, plan_units
-from tests.models import UnevenMLP
+from tests.models import Block, UnevenMLP
 
 # Random module trees: Linear leaves, Sequential inner nodes.
 trees = st.recursive(
@@ -61,6 +61,26 @@ def test_wrap_classes_equal_the_isinstance_predicate_and_reject_non_modules() ->
     assert [n for n, _ in choose_unit_modules(model, None)] == ["blocks.0", "blocks.1", "blocks.2"]
     with pytest.raises(TypeError, match="wrap must be module classes or a predicate"):
         choose_unit_modules(model, [nn.Linear, "Block"])  # type: ignore[list-item]
+
+
+def test_a_single_wrap_class_means_a_list_of_that_class() -> None:
+    # A class is callable, but wrap=Block must not be called as a predicate: Block(module) would fail
+    # in its constructor, and nn.Sequential(module) would build a (truthy) module and match everything.
+    model = UnevenMLP()
+    assert [n for n, _ in choose_unit_modules(model, Block)] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert choose_unit_modules(model, Block) == choose_unit_modules(model, [Block])
+    assert [u.name for u in plan_units(model, nn.Linear)] == [u.name for u in plan_units(model, [nn.Linear])]
+
+
+@pytest.mark.parametrize("wrap", [[nn.Conv2d], nn.Conv2d, [], [UnevenMLP]], ids=["list", "class", "empty", "root"])
+def test_wrap_classes_that_match_no_module_below_the_root_are_an_error(wrap: object) -> None:
+    # Matching nothing would leave only the root unit: the whole model gathered at once, silently.
+    model = UnevenMLP()
+    with pytest.raises(ValueError, match=r"matches no module below the root UnevenMLP \(its modules: Linear x") as e:
+        choose_unit_modules(model, wrap)  # type: ignore[arg-type]
+    assert "Block x3" in str(e.value) and "wrap=None" in str(e.value)
+    # a predicate may legitimately match nothing (one root unit, on purpose)
+    assert choose_unit_modules(model, lambda m: False) == []
 
 
 def test_a_tied_parameter_is_owned_once_and_borrowed_by_the_other_unit() -> None:

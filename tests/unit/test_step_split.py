@@ -1,0 +1,70 @@
+"""smp.step's batch splitting: every container kind a data loader yields comes back as its own kind."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from shardpar.step import make_step, split_batch
+
+
+class Batch(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+    tag: str
+
+
+class ScopedBatch(Mapping[str, Any]):
+    """A read-only mapping whose constructor wants more than the items: cannot be rebuilt."""
+
+    def __init__(self, scope: str, items: dict[str, Any]) -> None:
+        self.scope, self.items_ = scope, items
+
+    def __getitem__(self, key: str) -> Any:
+        return self.items_[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.items_)
+
+    def __len__(self) -> int:
+        return len(self.items_)
+
+
+def test_a_namedtuple_batch_splits_into_namedtuples() -> None:
+    batch = Batch(torch.arange(6).view(6, 1), torch.arange(6), "train")
+    parts = split_batch(batch, 3)
+    assert [type(p) for p in parts] == [Batch] * 3
+    assert [p.y.tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
+    assert [p.x.shape for p in parts] == [(2, 1)] * 3 and {p.tag for p in parts} == {"train"}
+
+
+def test_a_defaultdict_batch_keeps_its_type_and_default_factory() -> None:
+    batch: defaultdict[str, Any] = defaultdict(list, {"x": torch.arange(4)})
+    parts = split_batch(batch, 2)
+    assert [type(p) for p in parts] == [defaultdict] * 2
+    assert [p["x"].tolist() for p in parts] == [[0, 1], [2, 3]]
+    assert parts[0]["missing"] == []  # the factory still answers a missing key
+
+
+def test_mappings_keep_their_type_or_fall_back_to_a_plain_dict() -> None:
+    ordered = split_batch(OrderedDict(b=torch.arange(4), a=torch.arange(4, 8)), 2)
+    assert [type(p) for p in ordered] == [OrderedDict] * 2 and list(ordered[1]) == ["b", "a"]
+    scoped = split_batch(ScopedBatch("eval", {"x": torch.arange(4)}), 2)
+    assert [type(p) for p in scoped] == [dict] * 2
+    assert [p["x"].tolist() for p in scoped] == [[0, 1], [2, 3]]
+
+
+def test_smp_step_hands_each_micro_batch_of_a_nested_namedtuple_to_the_step_function() -> None:
+    seen: list[Any] = []
+
+    def train_step(batch: Mapping[str, Batch]) -> torch.Tensor:
+        seen.append(batch)
+        return batch["pair"].y.sum()
+
+    step = make_step(train_step, find_model=lambda: None, microbatches=lambda: 2)
+    out = step(defaultdict(int, pair=Batch(torch.zeros(4, 1), torch.arange(4), "t")))
+    assert [o.item() for o in out.outputs] == [1, 5]  # y = 0+1, then 2+3
+    assert [(type(b), type(b["pair"])) for b in seen] == [(defaultdict, Batch)] * 2
