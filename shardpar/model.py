@@ -369,8 +369,7 @@ class DistributedModel(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load full tensors (as returned by `state_dict`) into the shards and persistent params; a
         missing key (strict) or a tensor of another shape raises before anything is written."""
-        load_full_state_dict(self, state_dict, strict)
-        return None
+        return load_full_state_dict(self, state_dict, strict)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every sharded parameter (1-D) and every persistent parameter."""

@@ -8,7 +8,7 @@ main copy, so nothing is copied.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -98,7 +98,9 @@ class PersistentParams:
         if self.compute is not self.main:
             self.compute.copy_(self.main)
 
-    def load(self, values: dict[str, torch.Tensor]) -> None:
+    def load(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Set the parameters `values` names, keyed by this table's names (one per parameter: a tied
+        parameter's other names are resolved by the caller, model_state.load_full_state_dict)."""
         with torch.no_grad():
             for i, (name, _) in enumerate(self.named):
                 if name in values:

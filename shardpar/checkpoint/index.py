@@ -84,7 +84,13 @@ def encode(value: Any, *, where: str) -> Any:
         return value
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu()
-        return {"__tensor__": t.tolist(), "dtype": dtype_name(t.dtype), "on_device": value.device.type != "cpu"}
+        # tolist() drops the dims after a zero-size one ([[], []] for (2, 0, 3)), so the shape goes beside it
+        return {
+            "__tensor__": t.tolist(),
+            "shape": list(t.shape),
+            "dtype": dtype_name(t.dtype),
+            "on_device": value.device.type != "cpu",
+        }
     if isinstance(value, tuple):
         return {"__tuple__": [encode(v, where=where) for v in value]}
     if isinstance(value, list):
@@ -109,6 +115,8 @@ def decode(obj: Any, *, device: torch.device | None = None) -> Any:
         return obj
     if "__tensor__" in obj:
         t = torch.tensor(obj["__tensor__"], dtype=dtype_of(obj["dtype"]))
+        if "shape" in obj:  # absent in checkpoints written before it was added
+            t = t.reshape(obj["shape"])
         return t.to(device) if obj.get("on_device") and device is not None else t
     if "__tuple__" in obj:
         return tuple(decode(v, device=device) for v in obj["__tuple__"])

@@ -120,6 +120,7 @@ class LoadJob:
             problems += [f"{f}: in the model, not in the checkpoint" for f in mine if f not in saved]
             problems += [f"{f}: in the checkpoint, not in the model" for f in saved if f not in mine]
             problems += [f"buffer {b}: not in the checkpoint" for b in buffers if b not in saved_buffers]
+            problems += [f"buffer {b}: in the checkpoint, not in the model" for b in saved_buffers if b not in buffers]
         if problems:
             raise misfit(self.directory, problems)
         if self.optimizer is not None and self.load_optimizer:

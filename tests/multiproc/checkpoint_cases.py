@@ -186,6 +186,7 @@ def hf_export_case(root: str, name: str, max_shard_size: int | None) -> dict[str
         result["info"] = {k: sorted(v) if isinstance(v, (set, list)) else v for k, v in info.items()}
         result["files"] = sorted(p.name for p in out.iterdir())
         hf.save_pretrained(Path(root) / "plain")  # a directory shardpar did not write (no manifest)
+    result.update(_load_by_alias(build, trained))
     # ... and back into a differently initialised shardpar model (partial=False resume).
     fresh_model = smp.DistributedModel(_reseeded(build))
     content = _resume(root, None, fresh_model, None, partial=False)
@@ -208,6 +209,28 @@ def hf_export_case(root: str, name: str, max_shard_size: int | None) -> dict[str
     smp.save_checkpoint(root, f"{name}_bf16", partial=False, model=model, full_dtype=torch.bfloat16)
     result["bf16_dtypes"] = _export_dtypes(Path(root) / f"{name}_bf16") if smp.rank() == 0 else None
     return result
+
+
+def _load_by_alias(build: Any, trained: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """load_state_dict of a dict naming each tied weight by its last name only (strict), then one with
+    a typo'd key: torch calls that unexpected, so strict refuses it on every rank."""
+    model = smp.DistributedModel(_reseeded(build))
+    names: dict[int, list[str]] = {}
+    for name, p in model.module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    dropped = sorted(n for aliases in names.values() if len(aliases) > 1 for n in aliases[:-1])
+    model.load_state_dict({k: v for k, v in trained.items() if k not in dropped}, strict=True)
+    again = _full_state(model)
+    try:
+        model.load_state_dict({**trained, "transformer.h.0.mlp.c_fcc.weight": torch.zeros(3)}, strict=True)
+        typo = "no error"
+    except ValueError as e:
+        typo = str(e)
+    return {
+        "alias_dropped": dropped,
+        "alias_load": max((again[k] - trained[k]).abs().max().item() for k in trained),
+        "typo": typo,
+    }
 
 
 def _export_dtypes(directory: Path) -> list[str]:
@@ -308,6 +331,17 @@ def errors_case(root_s: str) -> dict[str, Any]:
     except ckpt.CheckpointError as e:
         errors["buffer_full"] = str(e)
     buffer_unchanged = all(torch.equal(v, before3[k]) for k, v in _full_state(model3).items())
+    # The checkpoint's persistent buffer `marker` is not in this model: strict refuses, like a parameter.
+    torch.manual_seed(7)
+    model4 = smp.DistributedModel(models.UnevenMLP())
+    opt4 = smp.DistributedOptimizer(_adamw(_param_groups(model4)))
+    before4 = _full_state(model4)
+    try:
+        _resume(root_s, "good", model4, opt4)
+        errors["extra_buffer"] = "no error"
+    except ckpt.CheckpointError as e:
+        errors["extra_buffer"] = str(e)
+    buffer_unchanged = buffer_unchanged and all(torch.equal(v, before4[k]) for k, v in _full_state(model4).items())
     fresh = _full_state(model2)
     loose = _resume(root_s, "good", model2, opt2, strict=False, load_optimizer=False)
     # What fits (same name, same shape) now holds the saved values, the rest kept its own.

@@ -65,6 +65,10 @@ def test_full_export_loads_in_hugging_face(ranks, tmp_path: Path, name: str, max
         assert r["reload"] == 0.0 and r["content"] == {"m": name}
         assert r["partial_reload"] == 0.0 and r["moments"] == 0.0
         assert r["plain_reload"] == 0.0  # a save_pretrained directory resumes with partial=False too
+        # a tied weight loads from whichever of its names the dict holds; a typo'd key is refused
+        assert r["alias_dropped"] == (["transformer.wte.weight"] if name == "gpt2_tied" else []), r["alias_dropped"]
+        assert r["alias_load"] == 0.0
+        assert "unexpected keys ['transformer.h.0.mlp.c_fcc.weight']" in r["typo"], r["typo"]
 
 
 def test_damaged_checkpoints_raise_clear_errors_and_load_nothing(ranks, tmp_path: Path) -> None:
@@ -79,6 +83,7 @@ def test_damaged_checkpoints_raise_clear_errors_and_load_nothing(ranks, tmp_path
         "misfit": ("blocks.2", "not in the model"),
         "buffer": ("buffer marker: shape [4] in the model, [3] in the checkpoint",),
         "buffer_full": ("goodfull", "buffer marker: shape [4] in the model, [3] in the checkpoint"),
+        "extra_buffer": ("good_partial", "buffer marker: in the checkpoint, not in the model"),
     }
     for rank, r in enumerate(results):  # every rank raises, also those that never read the bad file
         for tag, words in expected.items():

@@ -1,0 +1,101 @@
+"""DistributedModel.load_state_dict against nn.Module.load_state_dict: tied names, missing and
+unexpected keys (a world of one, in this process; tests/multiproc/test_checkpoint.py loads a tied
+GPT-2 sharded over two ranks)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import shardpar as smp
+from shardpar.model_state import load_full_state_dict
+
+
+class _Tied(nn.Module):
+    """A tied weight big enough to shard (24 elements, threshold 10), a tied one kept persistent (4),
+    a persistent buffer and one that is not (torch leaves it out of state dicts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.head = nn.Linear(4, 6, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = nn.LayerNorm(4)
+        self.norm_out = nn.LayerNorm(4)
+        self.norm_out.weight = self.norm.weight
+        self.register_buffer("steps", torch.arange(2.0))
+        self.register_buffer("cache", torch.zeros(3), persistent=False)
+
+
+def _model() -> smp.DistributedModel:
+    torch.manual_seed(0)
+    model = smp.DistributedModel(_Tied())
+    if not (model.units and model.persistent.named):
+        raise AssertionError("the test needs a sharded and a persistent tied parameter")
+    return model
+
+
+def _state(model: smp.DistributedModel) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_tied_parameter_loads_from_whichever_of_its_names_the_dict_holds(world_of_one: None) -> None:
+    model = _model()
+    by_alias = {k: v + 1.0 for k, v in _state(model).items() if k not in ("embed.weight", "norm.weight")}
+    model.load_state_dict(by_alias, strict=True)
+    after = model.state_dict()
+    for key, value in by_alias.items():
+        assert torch.equal(after[key], value), key
+    assert torch.equal(after["embed.weight"], by_alias["head.weight"])  # the sharded one
+    assert torch.equal(after["norm.weight"], by_alias["norm_out.weight"])  # the persistent one
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        ({"drop": ["embed.weight", "head.weight"]}, "missing keys ['embed.weight', 'head.weight']"),
+        ({"drop": ["steps"]}, "missing keys ['steps']"),
+        ({"add": "norm.weightt"}, "unexpected keys ['norm.weightt']"),
+        ({"add": "cache"}, "unexpected keys ['cache']"),  # not persistent: torch calls it unexpected too
+    ],
+)
+def test_strict_raises_like_torch_before_anything_is_written(
+    world_of_one: None, edit: dict[str, object], words: str
+) -> None:
+    model = _model()
+    before = _state(model)
+    bad = {k: v + 1.0 for k, v in before.items() if k not in edit.get("drop", [])}
+    if "add" in edit:
+        bad[str(edit["add"])] = torch.zeros(3)
+    with pytest.raises(RuntimeError, match=r"Missing key|Unexpected key"):
+        _Tied().load_state_dict(bad, strict=True)
+    with pytest.raises(ValueError, match=r"strict=True.*" + re.escape(words)):
+        model.load_state_dict(bad, strict=True)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "a refused load changed the model"
+
+
+def test_strict_false_reports_and_skips_what_torch_does(world_of_one: None) -> None:
+    model = _model()
+    before = _state(model)
+    loose = {k: v + 1.0 for k, v in before.items() if k not in ("embed.weight", "head.weight", "steps")}
+    loose.update({"typo.weight": torch.zeros(2), "cache": torch.ones(3)})
+    ref = _Tied()
+    expected = ref.load_state_dict(loose, strict=False)
+    got = load_full_state_dict(model, loose, strict=False)
+    assert (got.missing_keys, got.unexpected_keys) == (expected.missing_keys, expected.unexpected_keys)
+    after = model.state_dict()
+    assert torch.equal(after["norm.weight"], loose["norm.weight"])
+    assert torch.equal(after["embed.weight"], before["embed.weight"]) and torch.equal(after["steps"], before["steps"])
+    assert torch.equal(model.module.cache, torch.zeros(3)), "a non-persistent buffer is never loaded"
+
+
+def test_tied_names_holding_different_values_are_refused(world_of_one: None) -> None:
+    model = _model()
+    state = _state(model)
+    state["head.weight"] = state["head.weight"] + 1.0
+    with pytest.raises(ValueError, match=r"'embed.weight' and 'head.weight' name one tied parameter"):
+        model.load_state_dict(state, strict=False)
