@@ -4,8 +4,9 @@ same initial values.
 Ranks that build different structures would issue different collectives and hang or abort inside the
 transport (gloo's EnforceNotMet kills the process); ranks seeded differently would shard slices of
 different initialisations into one model and start their replicas apart. DDP broadcasts rank 0's
-values instead; a sharded model never holds the whole of it on one rank, so the ranks are checked and
-told to seed alike.
+values instead; a sharded model never holds the whole of it on one rank, so the ranks are checked: a
+structure that differs is an error, values that differ a warning (a checkpoint loaded next makes
+them equal) that says to seed alike.
 
 One all_gather of two digests per rank. Only when they differ do the ranks exchange what they hold
 (rank 0's description is broadcast, each rank names its first difference, those are gathered), so
@@ -15,6 +16,7 @@ every rank raises the same error before any unit is built.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any
 
 import torch
@@ -100,7 +102,8 @@ def _first_difference(mine: tuple[list[_Entry], list[bytes | None]], first: Any)
 
 
 def check_same_model(module: nn.Module, world: Group) -> None:
-    """Raise ValueError on every rank if any rank's model differs from rank 0's (a collective)."""
+    """Raise ValueError on every rank if any rank's model has another structure than rank 0's, warn on
+    every rank if only the initial values differ (a collective)."""
     if world.size == 1:
         return
     mine = describe(module)
@@ -110,10 +113,13 @@ def check_same_model(module: nn.Module, world: Group) -> None:
     first = broadcast_object(mine, world.ranks[0], world)
     problems = all_gather_object(_first_difference(mine, first), world)
     rank, problem = next((r, p) for r, p in zip(world.ranks, problems, strict=True) if p is not None)
-    structure = digests[world.ranks.index(rank)][0] != digests[0][0]
-    fix = (
-        "build the same model on every rank"
-        if structure
-        else "seed every rank alike (torch.manual_seed(seed)) before building the model"
+    said = f"smp.DistributedModel: the model differs between ranks: on rank {rank}, {problem}"
+    if digests[world.ranks.index(rank)][0] != digests[0][0]:
+        raise ValueError(f"{said}; build the same model on every rank")
+    # Values only: harmless when a checkpoint or state dict is loaded next, so a warning, on every rank.
+    warnings.warn(
+        f"{said}. Unless a checkpoint or a state dict is loaded into it before training, the replicas start "
+        "apart and the shards come from different initialisations: seed every rank alike "
+        "(torch.manual_seed(seed)) before building the model",
+        stacklevel=3,
     )
-    raise ValueError(f"smp.DistributedModel: the model differs between ranks: on rank {rank}, {problem}; {fix}")
