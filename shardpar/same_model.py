@@ -24,6 +24,7 @@ from torch import nn
 
 from shardpar.collectives import Group
 from shardpar.collectives.native import all_gather_object, broadcast_object
+from shardpar.tensor_parallel.layers import tp_split_table
 
 # Elements sampled per tensor for the value digest: a random initialisation differs everywhere, so a
 # strided sample finds it without reading (or, on an accelerator, copying) every parameter.
@@ -50,10 +51,11 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
 
 def describe(module: nn.Module) -> tuple[list[_Entry], list[bytes | None]]:
     """(name, shape, dtype) of every parameter and persistent buffer, and a digest of a sample of each
-    one's values (None where there are none yet: meta or deferred tensors)."""
+    one's values (None where there are none yet, meta or deferred tensors, and for TP-split ones)."""
     tensors = _tensors(module)
     entries = [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
-    real = [(i, t) for i, (_, t) in enumerate(tensors) if not t.is_meta and t.numel()]
+    split = tp_split_table(module)  # converted by hand already: each TP rank holds its own slice
+    real = [(i, t) for i, (name, t) in enumerate(tensors) if not t.is_meta and t.numel() and name not in split]
     digests: list[bytes | None] = [None] * len(tensors)
     if real:
         samples = [_sample(t) for _, t in real]
