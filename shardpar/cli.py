@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -65,16 +66,16 @@ def _demo_summary(r: Any, sdp: int) -> int:
 
 def estimate(args: argparse.Namespace) -> int:
     from shardpar import estimate as est
+    from shardpar.config import Config
 
     if args.reference:
         return _reference_table(est)
-    shape = _shape(args, est)
     world, device = _world_and_device(args, est)
-    tp = args.tp
-    if args.global_batch is not None:
-        tp = est.tp_from_global_batch(world, args.global_batch, args.batch, args.accum)
-        print(f"tp {tp}: global batch {args.global_batch} / (batch {args.batch} x accum {args.accum}) "
-              f"= {world // tp} data-parallel ranks of {world}")  # fmt: skip
+    tp = _tp(args, est, world)
+    # the layout rules smp.init applies (prescaled_batch: smp.init requires it with tp > 1)
+    layout = Config(sharded_data_parallel_degree=args.sdp or 1, tensor_parallel_degree=tp, prescaled_batch=True)
+    layout.check_world(world)
+    shape = _shape(args, est)
     setup = est.Setup(
         sdp=args.sdp or 1, tp=tp, batch=args.batch, seq=args.seq, precision=args.precision,
         activation_checkpointing=args.activation_checkpointing or args.activation_offloading,
@@ -91,17 +92,27 @@ def estimate(args: argparse.Namespace) -> int:
 
 
 def _recommend(est: Any, shape: Any, setup: Any, world: int) -> int:
+    known = setup.capacity is not None  # no capacity (cpu): a table of sizes, no verdict
     print("  sdp   per device")
     for sdp in est.divisors(world // setup.tp):
         e = est.estimate(shape, replace(setup, sdp=sdp))
-        print(f"  {sdp:4d} {e.total / est.GiB:9.2f} GiB  {'fits' if e.fits else '-'}")
+        verdict = ("fits" if e.fits else "-") if known else ""
+        print(f"  {sdp:4d} {e.total / est.GiB:9.2f} GiB  {verdict}".rstrip())
+    if not known:
+        print(f"device {setup.device!r} has no known capacity: compare each row with the memory one rank may use")
+        return 0
     best = est.smallest_fitting_sdp(shape, setup, world)
     if best is not None:
         print(f"smallest sharded_data_parallel_degree that fits: {best.setup.sdp}")
         print(est.format_estimate(best))
         return 0
+    found = est.alternatives(shape, setup, world)
+    if not found:
+        print(f"nothing fits on {world} x {setup.device}, not even with tp up to 8, activation checkpointing and "
+              "offloading: use more devices (--nodes, --gpus) or a smaller --batch or --seq")  # fmt: skip
+        return 1
     print("nothing fits with these settings; smallest fitting sdp with other choices:")
-    for alt in est.alternatives(shape, setup, world):
+    for alt in found:
         s = alt.setup
         print(f"  tp {s.tp}, sdp {s.sdp}, activation checkpointing {s.activation_checkpointing}, "
               f"offloading {s.activation_offloading}: {alt.total / est.GiB:.2f} GiB")  # fmt: skip
@@ -126,18 +137,21 @@ def _reference_table(est: Any) -> int:
 
 def _shape(args: argparse.Namespace, est: Any) -> Any:
     threshold = int(args.persistence_threshold)
+    sizes = {"hidden": args.hidden, "num_layers": args.layers, "num_heads": args.heads, "vocab": args.vocab}
+    given = {k: v for k, v in sizes.items() if v is not None}
     if args.params is not None:
-        return est.shape_from_num_params(
-            args.params, hidden=args.hidden, num_layers=args.layers, num_heads=args.heads, vocab=args.vocab
+        return est.shape_from_num_params(args.params, **given, persistence_threshold=threshold)
+    if given:  # the other models bring their own dimensions
+        flags = " ".join(f"--{_FLAG_OF[k]} {v}" for k, v in given.items())
+        model = f"--hf-config {args.hf_config}" if args.hf_config is not None else f"--model {args.model}"
+        raise ValueError(
+            f"{flags}: these describe a --params model, and {model} brings its own dimensions; drop them, or "
+            "describe the model with --params"
         )
     if args.hf_config is not None:
-        from transformers import AutoConfig
-
-        path = Path(args.hf_config)
-        cfg = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
-        return est.shape_from_hf_config(cfg, name=path.stem, persistence_threshold=threshold)
+        return _hf_shape(Path(args.hf_config), est, threshold)
     if args.model in est.REFERENCE_MODELS:
-        return est.reference_shape(args.model)
+        return est.reference_shape(args.model, persistence_threshold=threshold)
     family, _, size = args.model.partition(":")
     from shardpar.demo import recipe
 
@@ -145,13 +159,49 @@ def _shape(args: argparse.Namespace, est: Any) -> Any:
     return est.shape_from_hf_config(cfg, name=args.model, persistence_threshold=threshold)
 
 
+_FLAG_OF = {"hidden": "hidden", "num_layers": "layers", "num_heads": "heads", "vocab": "vocab"}
+
+
+def _hf_shape(given: Path, est: Any, threshold: int) -> Any:
+    from transformers import AutoConfig
+
+    path = given / "config.json" if given.is_dir() else given
+    if not path.is_file():
+        raise ValueError(
+            f"--hf-config {str(path)!r} does not exist; give a Hugging Face config.json or the directory holding one"
+        )
+    cfg = AutoConfig.from_pretrained(str(path))  # given a file, transformers reads that file, whatever its name
+    return est.shape_from_hf_config(cfg, name=given.stem, persistence_threshold=threshold)
+
+
 def _world_and_device(args: argparse.Namespace, est: Any) -> tuple[int, str]:
     if args.device is not None:
+        if args.nodes is not None:
+            raise ValueError(
+                f"--nodes {args.nodes} counts --instance machines; with --device {args.device} give the devices "
+                "in all as --gpus"
+            )
         return args.gpus or 1, args.device
+    if args.gpus is not None:
+        raise ValueError(f"--gpus {args.gpus} needs --device (which device); with --instance give --nodes instead")
     if args.instance not in est.INSTANCES:
         raise ValueError(f"--instance {args.instance!r} is not one of {', '.join(est.INSTANCES)}; or give --device")
     per, device = est.INSTANCES[args.instance]
-    return args.nodes * per, device
+    return (args.nodes or 1) * per, device
+
+
+def _tp(args: argparse.Namespace, est: Any, world: int) -> int:
+    if args.global_batch is None:
+        return int(args.tp or 1)
+    tp = int(est.tp_from_global_batch(world, args.global_batch, args.batch, args.accum))
+    if args.tp is not None and args.tp != tp:
+        raise ValueError(
+            f"--tp {args.tp} conflicts with --global-batch {args.global_batch}, which gives tp {tp} (world {world} / "
+            f"(global batch {args.global_batch} / (batch {args.batch} x accum {args.accum}))); give only one of them"
+        )
+    print(f"tp {tp}: global batch {args.global_batch} / (batch {args.batch} x accum {args.accum}) "
+          f"= {world // tp} data-parallel ranks of {world}")  # fmt: skip
+    return tp
 
 
 # ---- env -----------------------------------------------------------------------------------------
@@ -213,6 +263,26 @@ def _shm_status() -> str:
 # ---- parser --------------------------------------------------------------------------------------
 
 
+def _at_least(low: float, *, kind: type = int, why: str = "") -> Callable[[str], Any]:
+    """An argparse type: a number >= low (an int, or a float such as 20e9), else a usage error (exit 2)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not low <= value < float("inf"):  # also refuses nan and inf
+            rule = f">= {low:g}" if kind is int else f"a finite number >= {low:g}"
+            raise argparse.ArgumentTypeError(f"{text} must be {rule}{why}")
+        return value
+
+    return parse
+
+
+_COUNT = _at_least(1)
+
+
 def _estimate_parser(sub: Any) -> None:
     e = sub.add_parser("estimate", help="per-device memory; the smallest sharding degree that fits")
     what = e.add_mutually_exclusive_group()
@@ -220,29 +290,29 @@ def _estimate_parser(sub: Any) -> None:
         "--model", default="gpt-neox-20b", help="gpt-neox-20b, gpt-neox-65b or FAMILY:SIZE (gpt_neox:tiny)"
     )
     what.add_argument("--hf-config", help="a Hugging Face config.json (or its directory)")
-    what.add_argument("--params", type=float, help="a bare parameter count, e.g. 20e9 (GPT-like shape)")
-    e.add_argument("--hidden", type=int)
-    e.add_argument("--layers", type=int)
-    e.add_argument("--heads", type=int)
-    e.add_argument("--vocab", type=int, default=50304)
+    what.add_argument("--params", type=_at_least(1, kind=float), help="a bare parameter count, e.g. 20e9 (GPT-like)")
+    e.add_argument("--hidden", type=_COUNT, help="with --params")
+    e.add_argument("--layers", type=_COUNT, help="with --params")
+    e.add_argument("--heads", type=_COUNT, help="with --params")
+    e.add_argument("--vocab", type=_COUNT, help="with --params (default 50304)")
     e.add_argument("--instance", default="p4d.24xlarge", help="instance type (8 GPUs each)")
-    e.add_argument("--nodes", type=int, default=1)
+    e.add_argument("--nodes", type=_COUNT, help="instances (default 1)")
     e.add_argument("--device", help="instead of --instance: a100-40gb, h100-80gb, ... or cpu")
-    e.add_argument("--gpus", type=int, help="devices in all, with --device")
-    e.add_argument("--sdp", type=int, help="evaluate this degree (default: list all and recommend)")
-    e.add_argument("--tp", type=int, default=1)
-    e.add_argument("--global-batch", type=int, help="derive tp: world / (global batch / (batch x accum))")
-    e.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank (per TP group)")
-    e.add_argument("--accum", type=int, default=1)
-    e.add_argument("--seq", type=int, default=2048)
+    e.add_argument("--gpus", type=_COUNT, help="devices in all, with --device")
+    e.add_argument("--sdp", type=_COUNT, help="evaluate this degree (default: list all and recommend)")
+    e.add_argument("--tp", type=_COUNT, help="tensor-parallel degree (default 1, or from --global-batch)")
+    e.add_argument("--global-batch", type=_COUNT, help="derive tp: world / (global batch / (batch x accum))")
+    e.add_argument("--batch", type=_COUNT, default=1, help="sequences per data-parallel rank (per TP group)")
+    e.add_argument("--accum", type=_COUNT, default=1)
+    e.add_argument("--seq", type=_COUNT, default=2048)
     e.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     e.add_argument("--activation-checkpointing", action="store_true")
     e.add_argument("--activation-offloading", action="store_true", help="implies checkpointing")
     e.add_argument("--eager-attention", action="store_true", help="attention keeps the s x s scores")
     e.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd-momentum", "sgd"))
-    e.add_argument("--max-live-parameters", type=float, default=1e9)
-    e.add_argument("--reduce-bucket-size", type=float, default=5e8)
-    e.add_argument("--persistence-threshold", type=float, default=1e6)
+    e.add_argument("--max-live-parameters", type=_at_least(1, kind=float), default=1e9)
+    e.add_argument("--reduce-bucket-size", type=_at_least(1, kind=float), default=5e8)
+    e.add_argument("--persistence-threshold", type=_at_least(0, kind=float), default=1e6)
     e.add_argument("--reference", action="store_true", help="check reference 003's configurations")
     e.set_defaults(func=estimate)
 
@@ -253,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="train a tiny GPT-NeoX on local CPU ranks (about two minutes)")
     d.add_argument("--nprocs", type=int, default=4)
     d.add_argument("--sdp", type=int, default=2)
-    d.add_argument("--steps", type=int, default=500)
+    # the summary judges whether the loss fell from the first step to the last: that takes two
+    d.add_argument("--steps", type=_at_least(2, why=": the demo checks that the loss falls"), default=500)
     d.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     d.add_argument("--seq", type=int, default=128)
     d.add_argument("--out", default="runs/demo", help="where metrics, plot, checkpoints and export go")
@@ -268,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except ValueError as err:
-        print(f"shardpar: error: {err}", file=sys.stderr)
+    except ValueError as err:  # a mistake in the options: reported as argparse reports its own
+        print(f"{parser.prog} {args.command}: error: {err}", file=sys.stderr)
         return 2
 
 

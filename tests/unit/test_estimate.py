@@ -68,7 +68,7 @@ def test_65b_rows_need_tensor_parallelism_and_fit_with_offloading(neox65b: est.M
 
 def test_activation_formula_counts_each_saved_tensor() -> None:
     """No checkpointing, eager attention, tp 1, bf16: L x (16 c sbh + (4 + c) a s s b) + logits."""
-    shape = est.shape_from_num_params(1e9, hidden=2048, num_layers=16, num_heads=16, vocab=1000)
+    shape = est.shape_from_num_params(8.1e8, hidden=2048, num_layers=16, num_heads=16, vocab=1000)
     setup = est.Setup(batch=2, seq=512, precision="bf16", flash_attention=False, device="cpu")
     s, b, h, a, c = 512, 2, 2048, 16, 2
     per_layer = s * b * h * c * 16 + a * s * s * b * (4 + c)
@@ -222,3 +222,50 @@ def test_cli_reads_a_hugging_face_config_json(tmp_path: Path, capsys: pytest.Cap
     # a directory holding config.json works too, and recommends a degree on a device with a capacity
     assert main(["estimate", "--hf-config", str(tmp_path), "--device", "a100-40gb", "--gpus", "8"]) == 0
     assert "smallest sharded_data_parallel_degree that fits: 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("threshold", [0, 200, 5000, 10**12])
+def test_bare_parameter_count_splits_persistent_tensors_as_gpt_neox_does(threshold: int) -> None:
+    """The --params shape is GPT-NeoX's layout (12h^2 + 13h per layer, untied embeddings), so at any
+    persistence threshold it must keep the same tensors whole as the real model's units."""
+    from transformers import GPTNeoXConfig
+
+    config = GPTNeoXConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=256,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    real = est.shape_from_hf_config(config, persistence_threshold=threshold)
+    bare = est.shape_from_num_params(
+        real.num_params, hidden=64, num_layers=2, vocab=256, persistence_threshold=threshold
+    )
+    assert (bare.unit_numels, bare.persistent_numel) == (real.unit_numels, real.persistent_numel)
+
+
+@pytest.mark.parametrize("model", [["--model", "gpt-neox-20b"], ["--params", "20e9"]], ids=["reference", "params"])
+def test_cli_persistence_threshold_reaches_every_model_source(
+    model: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Above every tensor's size, the threshold keeps the whole model on each rank: 4 bytes of fp32 main
+    parameters per parameter instead of a 1/16 shard."""
+    argv = ["estimate", *model, "--nodes", "2", "--sdp", "16", "--persistence-threshold", "1e12"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    num_params = int(out.split(" parameters,")[0].split(": ")[-1].replace(",", ""))
+    main_line = f"  {'model states: fp32 main parameters':42s} {4 * num_params / est.GiB:9.2f} GiB"
+    assert main_line in out.splitlines(), out
+
+
+def test_cli_without_a_capacity_lists_sizes_without_a_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--device", "cpu", "--gpus", "4", "--model", "gpt_neox:tiny", "--seq", "128"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("  ") and ln.strip().endswith("GiB")]
+    assert [r[0] for r in rows] == ["1", "2", "4"], out
+    assert "nothing fits" not in out and "no known capacity" in out
+
+
+def test_cli_says_plainly_when_no_alternative_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    """20B on one p4d (8 x 40 GB) fits in no variant: no header announcing an empty list."""
+    assert main(["estimate", "--params", "20e9", "--nodes", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "other choices" not in out and "nothing fits on 8 x a100-40gb" in out, out
