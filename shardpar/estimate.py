@@ -36,6 +36,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shardpar.model_shape import (  # re-exported: the CLI and tests read them from here
+    REFERENCE_MODELS,
+    ModelShape,
+    reference_shape,
+    shape_from_hf_config,
+    shape_from_module,
+    shape_from_num_params,
+)
+
+__all__ = [
+    "REFERENCE_MODELS",
+    "ModelShape",
+    "reference_shape",
+    "shape_from_hf_config",
+    "shape_from_module",
+    "shape_from_num_params",
+]
+
 GiB = 1024**3
 
 # instance type -> (devices per instance, device name)
@@ -60,24 +78,6 @@ GPU_FRAMEWORK_BYTES = 2 * GiB
 CPU_FRAMEWORK_BYTES = GiB // 2
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs to know about a model: dimensions and its units' parameter counts."""
-
-    name: str
-    hidden: int
-    num_layers: int
-    num_heads: int
-    vocab: int
-    unit_numels: tuple[int, ...]  # sharded elements per unit, root first
-    persistent_numel: int
-    buffer_bytes: int = 0
-
-    @property
-    def num_params(self) -> int:
-        return sum(self.unit_numels) + self.persistent_numel
 
 
 @dataclass(frozen=True)
@@ -141,17 +141,6 @@ class Estimate:
         return None if cap is None else self.total <= cap
 
 
-# The models of reference 003's "Reference configurations" as GPT-NeoX config fields. 20B is
-# EleutherAI's published layout; the reference gives none for 65B, so it takes LLaMA-65B's width and
-# depth (8192 x 80, 64 heads) with GPT-NeoX's 4x MLP: 65.3B parameters.
-REFERENCE_MODELS: dict[str, dict[str, Any]] = {
-    "gpt-neox-20b": {"hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
-                     "intermediate_size": 24576, "rotary_pct": 0.25, "vocab_size": 50432},
-    "gpt-neox-65b": {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
-                     "intermediate_size": 32768, "rotary_pct": 0.25, "vocab_size": 50432},
-}  # fmt: skip
-
-
 @dataclass(frozen=True)
 class ReferenceRow:
     """One row of reference 003's tables (activation checkpointing on, as in SageMaker's examples)."""
@@ -190,129 +179,6 @@ REFERENCE_ROWS = (
     ReferenceRow("gpt-neox-65b", 64, "p4d.24xlarge", 2048, 512, 8, 16, tp=8, offload=True),
     ReferenceRow("gpt-neox-65b", 64, "p4d.24xlarge", 4096, 512, 2, 64, tp=2, offload=True),
 )
-
-
-def reference_shape(name: str, *, persistence_threshold: int = int(1e6)) -> ModelShape:
-    from transformers import GPTNeoXConfig
-
-    if name not in REFERENCE_MODELS:
-        raise ValueError(f"unknown reference model {name!r}; choose one of {', '.join(REFERENCE_MODELS)}")
-    cfg = GPTNeoXConfig(**REFERENCE_MODELS[name], max_position_embeddings=4096, tie_word_embeddings=False)
-    return shape_from_hf_config(cfg, name=name, persistence_threshold=persistence_threshold)
-
-
-# ---- model shapes --------------------------------------------------------------------------------
-
-
-def shape_from_module(module: Any, *, name: str = "model", persistence_threshold: int = int(1e6)) -> ModelShape:
-    """Exact unit sizes of an `nn.Module` (may live on the meta device), as DistributedModel splits it."""
-    from shardpar.units import plan_units
-
-    units = plan_units(module, None)
-    unit_numels, persistent = [], 0
-    for up in units:
-        small = sum(p.numel() for _, p in up.params if p.numel() < persistence_threshold)
-        persistent += small
-        unit_numels.append(sum(p.numel() for _, p in up.params) - small)
-    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
-    cfg = getattr(module, "config", None)
-    dims = _dims_of(cfg) if cfg is not None else (0, len(units) - 1, 1, 0)
-    return ModelShape(name, *dims, tuple(unit_numels), persistent, buffers)
-
-
-def shape_from_hf_config(config: Any, *, name: str | None = None, persistence_threshold: int = int(1e6)) -> ModelShape:
-    """Build the Hugging Face model on the meta device (no memory) and take its exact unit sizes."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    with torch.device("meta"):
-        module = AutoModelForCausalLM.from_config(config)
-    label = name or str(getattr(config, "model_type", "model"))
-    return shape_from_module(module, name=label, persistence_threshold=persistence_threshold)
-
-
-def shape_from_num_params(
-    num_params: float, *, hidden: int | None = None, num_layers: int | None = None, num_heads: int | None = None,
-    vocab: int = 50304, persistence_threshold: int = int(1e6),
-) -> ModelShape:  # fmt: skip
-    """A GPT-like shape for a bare parameter count: per layer 12h^2 weights (4h^2 attention + 8h^2 MLP)
-    and 13h biases and layer-norm elements, untied embeddings. The width, when not given, follows the
-    GPT-3 family's depth ratio h / layers ~ 128 (or solves for the count at the given depth); the depth,
-    when not given, is what the count leaves after the embeddings. Tensors under persistence_threshold
-    stay whole on every rank, as DistributedModel keeps them."""
-    n = float(num_params)
-    if not n > 0:
-        raise ValueError(f"num_params={num_params} must be > 0")
-    if hidden is None:  # at a given depth L, solve 12 L h^2 + 2 V h = n for h
-        hidden = _default_width(n, vocab) if num_layers is None else _round_width(
-            (math.sqrt(vocab**2 + 12 * num_layers * n) - vocab) / (12 * num_layers)
-        )  # fmt: skip
-    if num_layers is None:
-        num_layers = _depth_for(n, hidden, vocab)
-    h = hidden
-    root = (vocab * h, vocab * h, h, h)  # embeddings, LM head, final layer norm
-    # (weight, bias) of the QKV projection, the output projection, MLP up and MLP down; two layer norms
-    layer = (3 * h * h, 3 * h, h * h, h, 4 * h * h, 4 * h, 4 * h * h, h, h, h, h, h)
-    units = (root,) + (layer,) * num_layers
-    sharded = tuple(sum(t for t in unit if t >= persistence_threshold) for unit in units)
-    persistent = sum(t for unit in units for t in unit if t < persistence_threshold)
-    shape = ModelShape("", h, num_layers, num_heads or max(1, h // 128), vocab, sharded, persistent)
-    if abs(shape.num_params - n) > 0.1 * n:  # a derived width is rounded to 128: a few percent off at most
-        raise ValueError(
-            f"num_params={n:.3g} with hidden={h}, num_layers={num_layers}, vocab={vocab} describes "
-            f"{shape.num_params:.3g} parameters (12 hidden^2 + 13 hidden per layer, 2 x vocab x hidden "
-            f"embeddings), not within 10%; leave hidden or num_layers out to derive it, or give num_params="
-            f"{shape.num_params:.3g}"
-        )
-    return replace(shape, name=f"{shape.num_params / 1e9:.1f}B params")
-
-
-def _depth_for(n: float, hidden: int, vocab: int) -> int:
-    """Layers a count leaves after the embeddings; refuses counts the embeddings alone exceed and shapes
-    deeper than they are wide (13e9 at hidden 64 would need some 260,000 layers)."""
-    embeddings = 2 * vocab * hidden
-    layers = round((n - embeddings) / (12 * hidden * hidden + 13 * hidden))
-    if layers < 1:
-        raise ValueError(
-            f"num_params={n:.3g} does not reach one layer at hidden={hidden}: the embeddings alone (2 x vocab "
-            f"{vocab} x hidden) hold {embeddings:.3g}; give a smaller hidden or vocab, or a larger num_params"
-        )
-    if layers > hidden:
-        raise ValueError(
-            f"num_params={n:.3g} at hidden={hidden} needs {layers:,} layers, deeper than the model is wide; "
-            f"give a wider hidden (the GPT-3 depth ratio gives {_gpt3_width(n)}) or leave it out"
-        )
-    return layers
-
-
-def _gpt3_width(n: float) -> int:
-    return _round_width((n * 128 / 12) ** (1 / 3))  # 12 h^2 x (h / 128) layers = n
-
-
-def _default_width(n: float, vocab: int) -> int:
-    """The GPT-3 ratio's width, narrowed until the embeddings leave room for a layer (small counts)."""
-    h = _gpt3_width(n)
-    while h > 128 and 2 * vocab * h + 12 * h * h + 13 * h > n:
-        h -= 128
-    return h
-
-
-def _round_width(h: float) -> int:
-    return max(128, round(h / 128) * 128)
-
-
-def _dims_of(cfg: Any) -> tuple[int, int, int, int]:
-    def first(*names: str) -> int:
-        return int(next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), 0))
-
-    return (
-        first("hidden_size", "n_embd", "d_model"),
-        first("num_hidden_layers", "n_layer", "num_layers"),
-        first("num_attention_heads", "n_head", "num_heads"),
-        first("vocab_size"),
-    )
 
 
 # ---- the estimate --------------------------------------------------------------------------------
