@@ -328,8 +328,6 @@ class DistributedModel(nn.Module):
         """Record (unit, delta, live elements) at every gather and free, in `model.live.trace`."""
         self.live.trace = [] if enabled else None
 
-    # ---- accumulation -------------------------------------------------------------------------
-
     # ---- nn.Module surface --------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -9,10 +9,26 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 
 if TYPE_CHECKING:
     from shardpar.model import DistributedModel
+
+
+def param_aliases(module: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has under `module` (a tied parameter has several), in order."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    return aliases
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers that belong in a state dict, under every name (non-persistent ones are rebuilt by
+    the model and left out, as torch leaves them out)."""
+    keys = set(module.state_dict(keep_vars=True))
+    return {n: b for n, b in module.named_buffers(remove_duplicate=False) if n in keys}
 
 
 def full_state_dict(model: DistributedModel) -> dict[str, Any]:
@@ -64,13 +80,11 @@ def _plan_load(model: DistributedModel, state_dict: Mapping[str, Any]) -> _LoadP
     """Resolve tied names and find missing and unexpected keys; raise on a size mismatch or on tied
     names holding different values. Reads the dict only, so it runs alike on every rank."""
     module = model.module
-    aliases: dict[int, list[str]] = {}  # a tied parameter has several names; a dict may hold any of them
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
+    aliases = param_aliases(module)  # a tied parameter has several names; a dict may hold any of them
     known = list(module.state_dict(keep_vars=True))  # parameters, persistent buffers, extra state
     known_set = set(known)
-    buffer_names = frozenset(n for n, _ in module.named_buffers(remove_duplicate=False)) & known_set
-    _check_shapes(model, state_dict, aliases)
+    buffer_names = frozenset(persistent_buffers(module))
+    _check_shapes(model, state_dict, aliases, buffer_names)
     values, absent = {}, set(buffer_names)
     for param_id, name in _own_names(model).items():
         present = [a for a in aliases[param_id] if a in state_dict]
@@ -114,12 +128,15 @@ def _strict_message(model: DistributedModel, plan: _LoadPlan) -> str:
     )
 
 
-def _check_shapes(model: DistributedModel, state_dict: Mapping[str, Any], aliases: dict[int, list[str]]) -> None:
+def _check_shapes(
+    model: DistributedModel, state_dict: Mapping[str, Any], aliases: dict[int, list[str]], buffer_names: frozenset[str]
+) -> None:
     """Like torch's "size mismatch for ...": the shards would take any tensor of enough elements."""
     shape_of = {s.fqn: s.shape for unit in model.units for s in unit.layout.specs}
     shape_of.update({name: p.shape for name, p in model.persistent.named})
     expected = {alias: shape_of[name] for param_id, name in _own_names(model).items() for alias in aliases[param_id]}
-    expected.update({name: b.shape for name, b in model.module.named_buffers(remove_duplicate=False)})
+    # persistent buffers only: a non-persistent one in the dict is unexpected, whatever its shape (as torch)
+    expected.update({n: b.shape for n, b in model.module.named_buffers(remove_duplicate=False) if n in buffer_names})
     bad = [
         f"{name}: the checkpoint has shape {tuple(value.shape)}, the model {tuple(expected[name])}"
         for name, value in state_dict.items()

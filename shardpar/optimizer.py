@@ -183,6 +183,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # The window's gradients are dropped, so the next backward starts a window (one abandoned after
+        # an error would otherwise end off the user's count).
+        self.model.window_backwards = 0
         if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped
             self.model.reset_grad_usage()
         holders: list[Unit | PersistentParams] = [*self.model.units, self.model.persistent]

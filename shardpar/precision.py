@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,14 @@ def precision_name(dtype: torch.dtype) -> str:
 
 
 def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _as_count(v: Any) -> Any:
+    """1000.0 (YAML/JSON configs) or a numpy integer as an int; anything else unchanged, for the check."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return int(v)
+    return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
 def _integer(v: Any) -> bool:
@@ -146,6 +154,9 @@ class DynamicLossScaler:
         delayed_shift: int = 1,
         consecutive_hysteresis: bool = False,
     ) -> None:
+        scale_window, delayed_shift = _as_count(scale_window), _as_count(delayed_shift)
+        if consecutive_hysteresis in (0, 1):  # 0/1 from a config file
+            consecutive_hysteresis = bool(consecutive_hysteresis)
         given = {
             "loss_scale": init_scale,  # the state's name for it, so the state's rules apply
             "scale_factor": scale_factor,

@@ -24,6 +24,7 @@ from torch import nn
 
 from shardpar.collectives import Group
 from shardpar.collectives.native import all_gather_object, broadcast_object
+from shardpar.model_state import persistent_buffers
 from shardpar.tensor_parallel.layers import tp_split_table
 
 # Elements sampled per tensor for the value digest: a random initialisation differs everywhere, so a
@@ -34,13 +35,7 @@ _Entry = tuple[str, tuple[int, ...], str]  # name, shape, dtype
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    persistent = [
-        (f"{prefix}.{name}" if prefix else name, buf)
-        for prefix, m in module.named_modules(remove_duplicate=False)
-        for name, buf in m.named_buffers(recurse=False)
-        if name not in m._non_persistent_buffers_set
-    ]
-    return [*module.named_parameters(remove_duplicate=False), *persistent]
+    return [*module.named_parameters(remove_duplicate=False), *persistent_buffers(module).items()]
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
@@ -114,10 +109,17 @@ def check_same_model(module: nn.Module, world: Group) -> None:
         return
     first = broadcast_object(mine, world.ranks[0], world)
     problems = all_gather_object(_first_difference(mine, first), world)
-    rank, problem = next((r, p) for r, p in zip(world.ranks, problems, strict=True) if p is not None)
+    reports = list(zip(world.ranks, digests, problems, strict=True))
+    # A structure that differs anywhere is an error, even when a lower rank differs in values only.
+    shaped = [(r, p) for r, d, p in reports if d[0] != digests[0][0]]
+    if shaped:
+        rank, problem = shaped[0]
+        raise ValueError(
+            f"smp.DistributedModel: the model differs between ranks: on rank {rank}, {problem}; build the same "
+            "model on every rank"
+        )
+    rank, problem = next((r, p) for r, _, p in reports if p is not None)
     said = f"smp.DistributedModel: the model differs between ranks: on rank {rank}, {problem}"
-    if digests[world.ranks.index(rank)][0] != digests[0][0]:
-        raise ValueError(f"{said}; build the same model on every rank")
     # Values only: harmless when a checkpoint or state dict is loaded next, so a warning, on every rank.
     warnings.warn(
         f"{said}. Unless a checkpoint or a state dict is loaded into it before training, the replicas start "

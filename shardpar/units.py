@@ -8,13 +8,13 @@ the choice with module classes (a class list that matches nothing is an error) o
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from torch import nn
 
 # module classes (one class means [cls]), or a predicate over modules; None: the default units
-WrapPolicy = Sequence[type[nn.Module]] | type[nn.Module] | Callable[[nn.Module], bool] | None
+WrapPolicy = Iterable[type[nn.Module]] | type[nn.Module] | Callable[[nn.Module], bool] | None
 
 
 @dataclass
@@ -38,7 +38,7 @@ def _is_repeated_list(m: nn.Module) -> bool:
 
 def _class_predicate(root: nn.Module, wrap: object) -> Callable[[nn.Module], bool]:
     """isinstance over the classes of `wrap`, checked to match at least one module below the root."""
-    classes = tuple(wrap) if isinstance(wrap, Sequence) else (wrap,)
+    classes = (wrap,) if isinstance(wrap, type) or not isinstance(wrap, Iterable) else tuple(wrap)
     if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise TypeError(
             f"wrap must be module classes or a predicate, got {wrap!r}; "
@@ -64,7 +64,7 @@ def choose_unit_modules(root: nn.Module, wrap: WrapPolicy) -> list[tuple[str, nn
         outer = [(n, m) for n, m in lists if not any(n.startswith(o + ".") for o, _ in lists if o != n)]
         return [(f"{n}.{i}", c) for n, m in outer for i, c in enumerate(m.children())]
     # A class is callable too, but it means [cls]: calling it as a predicate would build a module.
-    predicate = wrap if callable(wrap) and not isinstance(wrap, (type, Sequence)) else _class_predicate(root, wrap)
+    predicate = wrap if callable(wrap) and not isinstance(wrap, (type, Iterable)) else _class_predicate(root, wrap)
     chosen: list[tuple[str, nn.Module]] = []
     for name, m in root.named_modules():
         if m is root or not predicate(m):

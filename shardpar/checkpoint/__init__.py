@@ -202,6 +202,9 @@ def resume_from_checkpoint(
     resumes any partial checkpoint (see placement.py). The RNG state is restored when the world size
     and the tensor-parallel degree are unchanged. A full checkpoint restores the model only.
     """
+    # The resumed run then starts a window of its own (backward_passes_per_step and micro-batches may
+    # differ from the saving run's): a partial save is taken at a window's end and a full one saves no
+    # gradients, so the saved backward count is not restored.
     _refuse_inside_window(model, "resume_from_checkpoint", "would be added to the loaded model's first step; resume")
     root, coord = Path(path), Coordinator(topology, engine)
     # A re-save that crashed between its two renames is undone first ([Note: re-saving a tag]).
@@ -220,7 +223,7 @@ def resume_from_checkpoint(
         coord.gather("resume_from_checkpoint", check)
         if job is None:
             raise AssertionError("checked load job missing")
-        return _start_window(model, job.apply())
+        return job.apply()
     load: _full_load.FullLoad | None = None
 
     def check_full() -> None:
@@ -231,15 +234,7 @@ def resume_from_checkpoint(
     coord.gather("resume_from_checkpoint(partial=False)", check_full)
     if load is None:
         raise AssertionError("checked full load missing")
-    return _start_window(model, load.apply())
-
-
-def _start_window(model: DistributedModel, user_content: Any) -> Any:
-    # A resumed run starts an accumulation window under its own backward_passes_per_step and micro-batch
-    # count, which may differ from the saving run's: a partial save is taken at a window's end, and a full
-    # one saves no gradients. (Restoring the saved backward count put a run with another window mid-window.)
-    model.window_backwards = 0
-    return user_content
+    return load.apply()
 
 
 def load_consolidated(path: PathLike, tag: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -26,6 +26,7 @@ from shardpar.checkpoint.pieces import Slot, buffer_shape_problems, persistent_b
 from shardpar.checkpoint.placement import Cut, assemble, plan_fetch
 from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, misfit, read_header
 from shardpar.model import DistributedModel
+from shardpar.model_state import param_aliases
 
 
 @dataclass
@@ -62,9 +63,7 @@ class FullLoad:
         return load
 
     def _aliases(self) -> Iterator[tuple[Any, list[str], tuple[int, ...]]]:
-        names: dict[int, list[str]] = {}
-        for n, p in self.model.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(n)
+        names = param_aliases(self.model.module)
         for s in slots(self.model):
             yield s, names[id(s.param)], s.cut.full_shape
 

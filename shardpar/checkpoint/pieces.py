@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardpar import model_state
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.placement import Cut
 from shardpar.model import DistributedModel
@@ -74,9 +75,15 @@ def slots(model: DistributedModel) -> list[Slot]:
 
 
 def persistent_buffers(model: DistributedModel) -> dict[str, torch.Tensor]:
-    """Buffers that belong in a state dict (non-persistent ones are rebuilt by the model)."""
-    keys = set(model.module.state_dict(keep_vars=True))
-    return {n: b for n, b in model.module.named_buffers() if n in keys}
+    """Buffers that belong in a state dict (non-persistent ones are rebuilt by the model); a buffer
+    registered under several names is written once, under its first."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, b in model_state.persistent_buffers(model.module).items():
+        if id(b) not in seen:
+            seen.add(id(b))
+            out[name] = b
+    return out
 
 
 def buffer_shape_problems(buffers: Mapping[str, torch.Tensor], saved: Mapping[str, Sequence[int]]) -> list[str]:

@@ -34,16 +34,15 @@ def check_indices(indices: torch.Tensor, limit: int, what: str, fix: str, *, ski
     cannot leave this to torch: an index outside every rank's slice would silently read as zeros.
     Every TP rank holds the same indices, so the whole group raises together. On an accelerator the
     check is a device-side assert, as torch's own embedding does there, to keep the host unsynced."""
-    checked = indices if skip is None else indices[indices != skip]
-    if checked.numel() == 0:
+    ok = (indices >= 0) & (indices < limit)
+    if skip is not None:
+        ok |= indices == skip
+    if indices.device.type != "cpu":  # no boolean indexing either: it would sync through nonzero()
+        torch._assert_async(ok.all(), f"{what} outside [0, {limit}); {fix}")
         return
-    if checked.device.type != "cpu":
-        torch._assert_async(((checked >= 0) & (checked < limit)).all(), f"{what} outside [0, {limit}); {fix}")
-        return
-    low, high = int(checked.min()), int(checked.max())
-    if low < 0 or high >= limit:
-        bad = low if low < 0 else high
-        raise IndexError(f"{what} {bad} is outside [0, {limit}); {fix}")
+    bad = indices[~ok]
+    if bad.numel():
+        raise IndexError(f"{what} {int(bad[0])} is outside [0, {limit}); {fix}")
 
 
 def _local_param(full: torch.Tensor, split: TPSplit, rank: int) -> nn.Parameter:

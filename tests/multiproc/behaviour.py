@@ -553,9 +553,11 @@ def different_models_case() -> dict[str, str]:
     smp.init({**SHARD, "sharded_data_parallel_degree": 2})
     rank = smp.rank()
     builds = {
-        "width": lambda: models.UnevenMLP(width=13 if rank == 0 else 15),
-        "depth": lambda: models.UnevenMLP(depth=3 if rank == 0 else 4),
+        "width": lambda: models.UnevenMLP(width=15 if rank == 1 else 13),
+        "depth": lambda: models.UnevenMLP(depth=4 if rank == 1 else 3),
         "seed": lambda: (torch.manual_seed(rank), models.UnevenMLP())[1],
+        # rank 1 differs in values only, rank 2 in structure: the structure decides
+        "mixed": lambda: (torch.manual_seed(int(rank == 1)), models.UnevenMLP(width=15 if rank == 2 else 13))[1],
         "same_seed": lambda: (torch.manual_seed(0), models.UnevenMLP())[1],
     }
     out: dict[str, str] = {}

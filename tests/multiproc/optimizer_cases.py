@@ -60,7 +60,8 @@ def step_mid_window_case() -> dict[str, Any]:
 
 def step_mid_window_microbatches_case() -> dict[str, Any]:
     """microbatches=2, backward_passes_per_step=2: a window is two smp.step calls (4 backward passes).
-    A step after one call is refused; the model knows the window although smp.step has returned."""
+    A step after one call is refused; the model knows the window although smp.step has returned.
+    zero_grad abandons the half window, and the next window is counted from there."""
     smp.init({**SHARD, "sharded_data_parallel_degree": 1, "microbatches": 2})  # world 2: two replicas
     torch.manual_seed(0)
     model = smp.DistributedModel(models.UnevenMLP(), backward_passes_per_step=2)
@@ -83,7 +84,9 @@ def step_mid_window_microbatches_case() -> dict[str, Any]:
         error = ""
     except ValueError as e:
         error = str(e)
+    opt.zero_grad()  # abandon the half window: the next two calls are a whole one
     call(1)
+    call(2)
     opt.step()
     flat = torch.cat([v.reshape(-1) for v in model.state_dict().values()])
     replicas = smp.allgather(flat)

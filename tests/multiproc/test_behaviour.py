@@ -131,14 +131,16 @@ def test_a_borrowers_hold_ends_with_its_backward_under_the_live_cap(ranks) -> No
 
 
 def test_models_that_differ_between_ranks_are_refused_on_every_rank(ranks) -> None:
-    results = ranks.run(2, behaviour.different_models_case)
-    assert results[0] == results[1]  # every rank raised the same error
+    results = ranks.run(4, behaviour.different_models_case)
+    assert all(r == results[0] for r in results)  # every rank raised the same error
     r = results[0]
     prefix = "smp.DistributedModel: the model differs between ranks: on rank 1, "
     same = "; build the same model on every rank"
     seed = ": seed every rank alike (torch.manual_seed(seed)) before building the model"
-    assert r["width"] == prefix + "inp.weight is [13, 13] torch.float32 on rank 0 but [15, 15] torch.float32" + same
+    wider = "inp.weight is [13, 13] torch.float32 on rank 0 but [15, 15] torch.float32"
+    assert r["width"] == prefix + wider + same
     assert r["depth"] == prefix + "blocks.3.up.weight ([7, 13] torch.float32) is not in rank 0's model" + same
+    assert r["mixed"] == prefix.replace("rank 1", "rank 2") + wider + same
     assert r["seed"].startswith("warned: " + prefix + "inp.weight holds other initial values than on rank 0. Unless")
     assert r["seed"].endswith(seed), r["seed"]
     assert r["same_seed"] == "ok" and r["deferred"] == "ok", r

@@ -157,6 +157,17 @@ def test_scaler_arguments_must_be_finite_and_in_range(static: float, dynamic_arg
         )
 
 
+def test_counts_from_config_files_are_accepted() -> None:
+    """YAML/JSON give 1000.0 and 0/1; numpy gives its own integers: all were accepted before the checks."""
+    import numpy as np
+
+    args = {"scale_window": 1000.0, "delayed_shift": np.int64(2), "consecutive_hysteresis": 0, "init_scale": 2**16}
+    scaler = make_loss_scaler(FP16, static_loss_scale=1.0, dynamic_loss_scale=True, dynamic_loss_args=args)
+    state = scaler.state_dict()
+    assert (state["scale_window"], state["delayed_shift"], state["consecutive_hysteresis"]) == (1000, 2, False)
+    assert type(state["scale_window"]) is int and type(state["delayed_shift"]) is int
+
+
 def test_static_loss_scale_none_means_no_static_scale() -> None:
     """SMP v1 scripts pass static_loss_scale=None next to dynamic_loss_scale=True."""
     dynamic = make_loss_scaler(FP16, static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=None)

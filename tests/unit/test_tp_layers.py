@@ -246,3 +246,13 @@ def test_ids_and_targets_outside_the_vocabulary_raise_on_every_rank() -> None:
             assert f"{value} is outside [0, 8)" in message, (name, message)
     # ignore_index is not a vocabulary id and passes
     on_tp_ranks(2, lambda comm: vocab_parallel_cross_entropy(comm.slice_last(logits), torch.tensor([1, -100, 7]), comm))
+
+
+def test_the_range_check_off_the_host_never_reads_values() -> None:
+    """On an accelerator the check must not sync the host: no boolean indexing (nonzero) or .item().
+    Meta tensors have no values, so any such read raises here."""
+    from shardpar.tensor_parallel.layers import check_indices
+
+    ids = torch.empty(5, dtype=torch.long, device="meta")
+    check_indices(ids, 8, "target", "fix", skip=-100)
+    check_indices(ids, 8, "input id", "fix")

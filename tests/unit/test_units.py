@@ -69,6 +69,7 @@ def test_a_single_wrap_class_means_a_list_of_that_class() -> None:
     model = UnevenMLP()
     assert [n for n, _ in choose_unit_modules(model, Block)] == ["blocks.0", "blocks.1", "blocks.2"]
     assert choose_unit_modules(model, Block) == choose_unit_modules(model, [Block])
+    assert choose_unit_modules(model, {Block}) == choose_unit_modules(model, (Block,))  # any iterable of classes
     assert [u.name for u in plan_units(model, nn.Linear)] == [u.name for u in plan_units(model, [nn.Linear])]
 
 
