@@ -212,6 +212,9 @@ def stream_copy(out: torch.Tensor, inp: torch.Tensor, *, non_temporal: bool = Tr
     _lib().shm_copy(out.data_ptr(), inp.data_ptr(), _nbytes(out), int(non_temporal))
 
 
+MAX_TIMEOUT_S = 1e6  # the longest wait the transport takes (MAX_TIMEOUT_S in shm_transport.c)
+
+
 class ShmComm:
     """A shared-memory communicator among `size` local ranks; this process is local index `index`.
 

@@ -47,8 +47,6 @@ from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
 
 from shardpar.collectives import shm
 
-_create_work_from_future = torch._C._distributed_c10d._create_work_from_future  # type: ignore[attr-defined]
-
 BACKEND_NAME = "smddp"
 _REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -59,7 +57,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs list only the store overload
         self._register_fallbacks(store, rank, size, timeout)
-        self.timeout_s = timeout.total_seconds()
+        # the transport bounds its waits by at most shm.MAX_TIMEOUT_S (a PG timeout of 14 days made
+        # every shm call fail, and, before [Note: failed works], do nothing)
+        self.timeout_s = min(timeout.total_seconds(), shm.MAX_TIMEOUT_S)
         # routes[(op, route)] counts every call: route "shm", or "fallback:<reason>".
         self.routes: Counter[tuple[str, str]] = Counter()
         self.why_not_shm = self._why_not_shm(dist.PrefixStore("smddp/", store), rank, size)
@@ -69,6 +69,10 @@ class SmddpProcessGroup(dist.ProcessGroup):
         if not self.why_not_shm:
             self._key = self._agree_on_key(dist.PrefixStore("smddp/", store), rank)
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smddp-pg")
+            # Attached now, while every member is known to be alive and constructing this group: the
+            # segment's name is unlinked once all have attached, so a member that fails later leaks
+            # nothing (attached at a first collective, a member failing before it left the name behind).
+            self._comm = shm.ShmComm(self._key, "world", rank, size, timeout_s=self.timeout_s)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -108,9 +112,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         return f"pg{store.get('key').decode()}"
 
     def _shm(self) -> shm.ShmComm:
-        # Created by the worker at its first call, the same point of every member's call sequence.
         if self._comm is None:
-            self._comm = shm.ShmComm(self._key, "world", self.rank(), self.size(), timeout_s=self.timeout_s)
+            raise AssertionError("shm route taken without a communicator")
         return self._comm
 
     # ---- routing ---------------------------------------------------------------------------------
@@ -142,20 +145,21 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     def _run(self, fn: Callable[[shm.ShmComm], None], result: Any) -> Any:
         """Queue `fn` on the worker; the returned Work completes (or fails) with it."""
-        future: torch.futures.Future[Any] = torch.futures.Future()
+        raw: torch.futures.Future[Any] = torch.futures.Future()
 
         def task() -> None:
             try:
                 fn(self._shm())
             except BaseException as exc:  # handed to whoever waits on the Work
-                future.set_exception(exc)
+                raw.set_result(_Failed(exc))
             else:
-                future.set_result(result)
+                raw.set_result(result)
 
         if self._worker is None:
             raise AssertionError("shm route taken without a worker")
+        work = _ShmWork(raw)  # chained before the task can complete raw: its callback sees every outcome
         self._worker.submit(task)
-        return _create_work_from_future(future)
+        return work
 
     # ---- the collectives served from shared memory -----------------------------------------------
 
@@ -242,11 +246,68 @@ for _name, _backend_method in _DELEGATED.items():
     setattr(SmddpProcessGroup, _name, _delegate(_backend_method))
 
 
+# [Note: failed works]
+# A shm call that failed (a dead peer, a timeout, a mismatched call, a bad argument) must fail its Work
+# for both kinds of waiter. torch's `_create_work_from_future` cannot do it: a Python Future's
+# set_exception only installs a Python-side unwrap (C++ sees an ordinary value), and the wrapping
+# Work's wait() returns True whatever the future holds, so every such error was dropped and the tensor
+# left unreduced. Here the worker completes a raw future with the result or a `_Failed` box; Python
+# waiters get the transport's own exception from `wait()`, and `get_future()` is the raw future
+# chained through `_unwrap`, whose raising callback marks it failed in C++ (DDP's reducer waits there).
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _unwrap(future: torch.futures.Future[Any]) -> Any:
+    value = future.value()
+    if isinstance(value, _Failed):
+        raise value.exc
+    return value
+
+
+class _ShmWork(dist.Work):
+    def __init__(self, raw: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._raw = raw
+        self._future = raw.then(_unwrap)
+
+    def wait(self, timeout: Any = None) -> bool:
+        value = self._raw.wait()
+        if isinstance(value, _Failed):
+            raise value.exc  # ShmPeerError, ShmTimeoutError, ...: what the transport said
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._raw.done()
+
+
+class _JoinedWork(dist.Work):
+    """Completes when every one of `works` has; fails when any of them failed."""
+
+    def __init__(self, works: list[Any]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        every = torch.futures.collect_all([w.get_future() for w in self._works])
+        return every.then(lambda done: [f.value() for f in done.value()])  # value() raises if one failed
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
 def _joined(works: list[Any]) -> Any:
     """One Work that completes when every one of `works` has (the only one, when there is one)."""
-    if len(works) == 1:
-        return works[0]
-    return _create_work_from_future(torch.futures.collect_all([w.get_future() for w in works]))
+    return works[0] if len(works) == 1 else _JoinedWork(works)
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
