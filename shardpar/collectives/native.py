@@ -170,12 +170,13 @@ class NativeEngine:
     ) -> Work:
         if group.size == 1:
             return CompletedWork()
-        torch_op, finish = self._reduce_op(op, tensor, group)
+        dense, back = _dense(tensor)
+        torch_op, finish = self._reduce_op(op, dense, group)
         return self._run(
             group,
-            lambda: dist.all_reduce(tensor, op=torch_op, group=group.handle, async_op=True),
+            lambda: dist.all_reduce(dense, op=torch_op, group=group.handle, async_op=True),
             async_op,
-            finish,
+            _then(finish, back),
             on=tensor,
         )
 
@@ -184,8 +185,13 @@ class NativeEngine:
             raise ValueError(f"broadcast: src rank {src} is not in {group.kind} group {group.ranks}")
         if group.size == 1:
             return CompletedWork()
+        dense, back = _dense(tensor)
         return self._run(
-            group, lambda: dist.broadcast(tensor, src=src, group=group.handle, async_op=True), async_op, on=tensor
+            group,
+            lambda: dist.broadcast(dense, src=src, group=group.handle, async_op=True),
+            async_op,
+            back,
+            on=tensor,
         )
 
     def barrier(self, group: Group) -> None:
@@ -214,6 +220,21 @@ class NativeEngine:
         if backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _dense(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """`tensor`, or a dense copy and the step that copies the result back: gloo reads and writes a
+    strided tensor as if it were dense (a column of a matrix came back as the wrong elements)."""
+    if tensor.is_contiguous():
+        return tensor, None
+    dense = tensor.contiguous()
+    return dense, lambda: tensor.copy_(dense)
+
+
+def _then(first: Any, second: Any) -> Any:
+    if first is None or second is None:
+        return first or second
+    return lambda: (first(), second())
 
 
 def broadcast_object(obj: Any, src: int, group: Group) -> Any:

@@ -151,6 +151,8 @@ class SmddpEngine:
             return "native:device"
         if op in ("reduce_scatter", "all_reduce") and tensor.dtype not in _REDUCIBLE:
             return "native:dtype"
+        if op in ("all_reduce", "broadcast") and not tensor.is_contiguous():
+            return "native:layout"  # the native engine stages a strided tensor through a dense copy
         if op == "all_gather":
             return self._gather_route(tensor, group)
         return "shm" if self._one_node(group) else "native:spans_nodes"
@@ -278,8 +280,6 @@ class SmddpEngine:
         if route == "local":
             return CompletedWork()
         if route == "shm":
-            if not tensor.is_contiguous():
-                raise ValueError("all_reduce: the tensor must be contiguous; call .contiguous() first")
             return self._submit(
                 lambda: self._comm(group.ranks).all_reduce(tensor, _shm_op(op)), async_op, "all_reduce", group
             )
@@ -291,7 +291,7 @@ class SmddpEngine:
         route = self._count("broadcast", self.route("broadcast", tensor, group))
         if route == "local":
             return CompletedWork()
-        if route == "shm" and tensor.is_contiguous():
+        if route == "shm":
             index = group.rank_of(src)
             return self._submit(lambda: self._comm(group.ranks).broadcast(tensor, index), async_op, "broadcast", group)
         return self.native.broadcast(tensor, src, group, async_op=async_op)

@@ -79,11 +79,20 @@ def check_sort_buffer_and_auto() -> dict[str, object]:
     engine = make_engine("smddp", timeout_s=60, ranks_per_node=2, ag_sort_bytes=8192)
     exact = [_all_gather(engine, group, rank, torch.float32, numel) for numel in (100, 4097)]
     routes = dict(getattr(engine, "routes", {}))
+    # Strided tensors go to the native engine, are counted there, and come back right (gloo alone
+    # reads a column as if it were dense; the smddp engine counted a strided broadcast as shm).
+    matrix = torch.arange(12.0).view(3, 4) + 100 * rank
+    engine.broadcast(matrix[:, 1], 1, group)
+    engine.all_reduce(matrix[:, 2], group)
+    others = torch.arange(12.0).view(3, 4)[:, [0, 3]] + 100 * rank
+    strided_ok = matrix[:, 1].tolist() == [101.0, 105.0, 109.0] and matrix[:, 2].tolist() == [608.0, 624.0, 640.0]
+    strided_ok = strided_ok and torch.equal(matrix[:, [0, 3]], others)  # the other columns untouched
+    strided_routes = {k: v for k, v in getattr(engine, "routes", {}).items() if k[0] in ("broadcast", "all_reduce")}
     getattr(engine, "close", lambda: None)()
     auto = make_engine("auto", timeout_s=60)
     auto_name = type(auto).__name__
     getattr(auto, "close", lambda: None)()
-    return {"exact": exact, "routes": routes, "auto": auto_name}
+    return {"exact": exact, "routes": routes, "auto": auto_name, "strided": (strided_ok, strided_routes)}
 
 
 def check_engine_agreement() -> dict[str, object]:

@@ -51,6 +51,8 @@ def test_sort_buffer_rule_and_auto_engine(ranks) -> None:
         # 4 ranks x 4097 fp32 = 65552 bytes > 8 x 8192: sort fallback; 4 x 100 x 4 bytes: hierarchical
         assert res["routes"] == {("all_gather", "hierarchical"): 1, ("all_gather", "native:sort"): 1}, res
         assert res["auto"] == "SmddpEngine", res
+        layout = {("broadcast", "native:layout"): 1, ("all_reduce", "native:layout"): 1}
+        assert res["strided"] == (True, layout), res
 
 
 @pytest.mark.skipif(not SHM_OK, reason=SHM_WHY)
