@@ -35,8 +35,10 @@
  * Index 0 creates the segment (O_EXCL, 0600); the others retry shm_open until it exists. The last rank to
  * attach unlinks the name at once: the mappings stay valid, and no later crash (even SIGKILL of every
  * rank) can leak a /dev/shm entry. Before that point a failing rank (timeout, dead creator) unlinks it;
- * only if every rank dies inside the attach window does the name stay (the next creator with the same
- * key then fails with EEXIST and says so).
+ * the name stays only if the ranks that did attach are killed inside the attach window, e.g. a creator
+ * stopped by its launcher while it waits for a member that already failed (the next creator with the
+ * same key then fails with EEXIST and says so). Callers attach when every member is known to be alive
+ * (at group construction) to keep that window short.
  */
 #define _GNU_SOURCE
 #include "shm_transport.h"
