@@ -62,3 +62,5 @@ def test_demo_refuses_fewer_than_two_steps_before_training(
     assert "argument --steps: 1 must be >= 2: the demo checks that the loss falls" in _refused(
         ["demo", "--steps", "1"], capsys
     )
+    for flag in ("--nprocs", "--sdp", "--batch", "--seq"):  # 0 started 4 ranks or failed inside them
+        assert f"argument {flag}: 0 must be >= 1" in _refused(["demo", flag, "0"], capsys)
