@@ -62,8 +62,8 @@ def load_full_state_dict(model: DistributedModel, state_dict: Mapping[str, Any],
         unit.load_full_params({s.fqn: plan.values[s.fqn] for s in unit.layout.specs if s.fqn in plan.values})
     model.persistent.load({name: plan.values[name] for name, _ in model.persistent.named if name in plan.values})
     with torch.no_grad():
-        for name, b in model.module.named_buffers(remove_duplicate=False):
-            if name in plan.buffer_names and name in state_dict:
+        for name, b in plan.buffers.items():
+            if name in state_dict:
                 b.copy_(state_dict[name])
     return _IncompatibleKeys(plan.missing, plan.unexpected)
 
@@ -71,7 +71,7 @@ def load_full_state_dict(model: DistributedModel, state_dict: Mapping[str, Any],
 @dataclass(frozen=True)
 class _LoadPlan:
     values: dict[str, torch.Tensor]  # each parameter's value under its unit / persistent name
-    buffer_names: frozenset[str]  # the persistent buffers (those a state dict holds)
+    buffers: dict[str, torch.Tensor]  # the persistent buffers (those a state dict holds), by every name
     missing: list[str]
     unexpected: list[str]
 
@@ -83,10 +83,11 @@ def _plan_load(model: DistributedModel, state_dict: Mapping[str, Any]) -> _LoadP
     aliases = param_aliases(module)  # a tied parameter has several names; a dict may hold any of them
     known = list(module.state_dict(keep_vars=True))  # parameters, persistent buffers, extra state
     known_set = set(known)
-    buffer_names = frozenset(persistent_buffers(module))
-    _check_shapes(model, state_dict, aliases, buffer_names)
-    values, absent = {}, set(buffer_names)
-    for param_id, name in _own_names(model).items():
+    buffers = persistent_buffers(module)
+    own = _own_names(model)
+    _check_shapes(model, state_dict, aliases, own, buffers)
+    values, absent = {}, set(buffers)
+    for param_id, name in own.items():
         present = [a for a in aliases[param_id] if a in state_dict]
         if not present:
             absent.update(aliases[param_id])
@@ -95,7 +96,7 @@ def _plan_load(model: DistributedModel, state_dict: Mapping[str, Any]) -> _LoadP
         values[name] = state_dict[present[0]]
     missing = [k for k in known if k in absent and k not in state_dict]  # in the model's key order, as torch
     unexpected = [k for k in state_dict if k not in known_set]
-    return _LoadPlan(values, buffer_names, missing, unexpected)
+    return _LoadPlan(values, buffers, missing, unexpected)
 
 
 def _own_names(model: DistributedModel) -> dict[int, str]:
@@ -129,14 +130,18 @@ def _strict_message(model: DistributedModel, plan: _LoadPlan) -> str:
 
 
 def _check_shapes(
-    model: DistributedModel, state_dict: Mapping[str, Any], aliases: dict[int, list[str]], buffer_names: frozenset[str]
+    model: DistributedModel,
+    state_dict: Mapping[str, Any],
+    aliases: dict[int, list[str]],
+    own: dict[int, str],
+    buffers: dict[str, torch.Tensor],
 ) -> None:
     """Like torch's "size mismatch for ...": the shards would take any tensor of enough elements."""
     shape_of = {s.fqn: s.shape for unit in model.units for s in unit.layout.specs}
     shape_of.update({name: p.shape for name, p in model.persistent.named})
-    expected = {alias: shape_of[name] for param_id, name in _own_names(model).items() for alias in aliases[param_id]}
+    expected = {alias: shape_of[name] for param_id, name in own.items() for alias in aliases[param_id]}
     # persistent buffers only: a non-persistent one in the dict is unexpected, whatever its shape (as torch)
-    expected.update({n: b.shape for n, b in model.module.named_buffers(remove_duplicate=False) if n in buffer_names})
+    expected.update({n: b.shape for n, b in buffers.items()})
     bad = [
         f"{name}: the checkpoint has shape {tuple(value.shape)}, the model {tuple(expected[name])}"
         for name, value in state_dict.items()

@@ -44,9 +44,9 @@ def _class_predicate(root: nn.Module, wrap: object) -> Callable[[nn.Module], boo
             f"wrap must be module classes or a predicate, got {wrap!r}; "
             "pass nn.Module subclasses such as [MyBlock], or a function (module) -> bool"
         )
-    present = Counter(type(m).__name__ for m in root.modules() if m is not root)  # first-seen order
     if not any(isinstance(m, classes) for m in root.modules() if m is not root):
         # Only the root unit would be left, gathering the whole model at once: no sharding at all.
+        present = Counter(type(m).__name__ for m in root.modules() if m is not root)  # first-seen order
         shown = ", ".join(f"{name} x{n}" for name, n in list(present.items())[:8])
         more = f" and {len(present) - 8} more types" if len(present) > 8 else ""
         raise ValueError(

@@ -201,10 +201,16 @@ def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
     raise AssertionError(f"{type(old).__name__} not found under {type(root).__name__}")
 
 
-def _check_tied_embeddings(model: Any, include: Include) -> None:
+def _embeddings(model: Any) -> tuple[Any, Any, bool]:
+    """(input embedding, LM head or None, whether they share one weight)."""
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or head.weight is not emb.weight or include(emb) == include(head):
+    return emb, head, head is not None and head.weight is emb.weight
+
+
+def _check_tied_embeddings(model: Any, include: Include) -> None:
+    emb, head, tied = _embeddings(model)
+    if not tied or include(emb) == include(head):
         return
     split, kept = ("input embedding", "LM head") if include(emb) else ("LM head", "input embedding")
     raise ValueError(
@@ -215,9 +221,7 @@ def _check_tied_embeddings(model: Any, include: Include) -> None:
 
 
 def _convert_embeddings(model: Any, comm: TPComm, include: Include, vocab_parallel_loss: bool) -> None:
-    emb = model.get_input_embeddings()
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    tied = head is not None and head.weight is emb.weight
+    emb, head, tied = _embeddings(model)
     new_emb: VocabParallelEmbedding | None = None
     if include(emb):
         weight = _full(emb.weight)
