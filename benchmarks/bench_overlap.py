@@ -61,8 +61,8 @@ def _neox(hidden: int, layers: int) -> torch.nn.Module:
 
 def _rank(mode: str, variant: int, steps: int, hidden: int, layers: int) -> dict[str, Any]:
     import shardpar as smp
-    from shardpar import model as model_mod
-    from shardpar import unit as unit_mod
+    from shardpar.runtime import model as model_mod
+    from shardpar.runtime import unit as unit_mod
 
     blocked = [0.0]
     world = int(os.environ["WORLD_SIZE"])
@@ -97,7 +97,7 @@ def _rank(mode: str, variant: int, steps: int, hidden: int, layers: int) -> dict
 
 
 def main() -> None:
-    from shardpar.launcher import launch_local
+    from shardpar.cli.launcher import launch_local
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=("prefetch", "replication"), default="prefetch")

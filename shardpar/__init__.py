@@ -6,10 +6,14 @@ smp.init({"sharded_data_parallel_degree": 2})
 
 from shardpar.api import (
     CommGroup,
+    DistributedModel,
+    DistributedOptimizer,
+    StepOutput,
     allgather,
     barrier,
     broadcast,
     comm_stats,
+    delay_param_initialization,
     device,
     dp_rank,
     dp_size,
@@ -22,29 +26,25 @@ from shardpar.api import (
     local_size,
     rank,
     rdp_rank,
+    rdp_sampler,
     rdp_size,
+    rdp_slice,
+    register_parameter,
     replica_rank,
+    resume_from_checkpoint,
+    save_checkpoint,
     sdp_rank,
     sdp_size,
     shutdown,
     size,
+    step,
+    tensor_parallelism,
     tp_rank,
     tp_size,
 )
 from shardpar.checkpoint import CheckpointError
 from shardpar.config import Config
-from shardpar.step import StepOutput
 from shardpar.topology import Plan, Topology, plan
-from shardpar.training import (
-    DistributedModel,
-    DistributedOptimizer,
-    delay_param_initialization,
-    register_parameter,
-    resume_from_checkpoint,
-    save_checkpoint,
-    step,
-    tensor_parallelism,
-)
 
 __version__ = "0.1.0"
 
@@ -76,7 +76,9 @@ __all__ = [
     "plan",
     "rank",
     "rdp_rank",
+    "rdp_sampler",
     "rdp_size",
+    "rdp_slice",
     "register_parameter",
     "replica_rank",
     "resume_from_checkpoint",

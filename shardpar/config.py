@@ -190,7 +190,7 @@ class Config:
             # (SMP v1 all-gathers the batch inside the TP group instead; shardpar does not emulate that)
             raise ValueError(
                 f"tensor_parallel_degree={self.tensor_parallel_degree} requires prescaled_batch=True (each TP "
-                "group reads one combined batch: shardpar.tensor_parallel.rdp_slice); set it"
+                "group reads one combined batch: smp.rdp_slice); set it"
             )
         for name in ("smddp_ag_scratch_buffer_size_bytes", "smddp_ag_sort_buffer_size_bytes"):
             value = getattr(self, name)

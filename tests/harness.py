@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from shardpar.launcher import free_port, set_local_rank_env
+from shardpar.cli.launcher import free_port, set_local_rank_env
 
 DEFAULT_TIMEOUT_S = 120.0
 _GRACE_AFTER_ERROR_S = 5.0
@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, conn: Connection, env: dict[str, s
 def _reset_facade() -> None:
     import sys
 
-    api = sys.modules.get("shardpar.api")
+    api = sys.modules.get("shardpar.api.context")
     if api is not None:
         api.shutdown()  # type: ignore[attr-defined]
 

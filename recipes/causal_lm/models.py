@@ -1,14 +1,14 @@
 """Named model sizes per family, built from `transformers` configs (no download).
 
 The GPT-NeoX 20B and 65B layouts are the models of reference 003's "Reference configurations"
-(`shardpar.estimate.REFERENCE_MODELS`, where the 65B choice is explained).
+(`shardpar.cli.estimate.REFERENCE_MODELS`, where the 65B choice is explained).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from shardpar.estimate import REFERENCE_MODELS
+from shardpar.cli.estimate import REFERENCE_MODELS
 
 # family -> size -> (config kwargs, default learning rate)
 SIZES: dict[str, dict[str, tuple[dict[str, Any], float]]] = {

@@ -33,7 +33,7 @@ class RunResult:
     num_params: int = 0
     shard_numel: int = 0  # this rank's sharded elements
     model_state_bytes: int = 0  # measured from live tensors after the first step (this rank)
-    estimated_model_state_bytes: int = 0  # shardpar.estimate for the same model and topology
+    estimated_model_state_bytes: int = 0  # shardpar.cli.estimate for the same model and topology
     rss_mib: list[float] = field(default_factory=list)  # peak per rank
     out: str = ""
     metrics: str = ""
@@ -310,7 +310,7 @@ def _tokens_per_s(job: _Job) -> list[float]:
 
 
 def _estimated_model_states(job: _Job) -> int:
-    from shardpar import estimate
+    from shardpar.cli import estimate
 
     cfg = smp.get_config()
     shape = estimate.shape_from_hf_config(job.hf_config, persistence_threshold=cfg.sdp_param_persistence_threshold)

@@ -30,8 +30,8 @@ from shardpar.checkpoint import reshard as _reshard
 from shardpar.checkpoint.atomic import Coordinator
 from shardpar.checkpoint.safetensors_io import CheckpointError, check_file
 from shardpar.collectives import Engine
-from shardpar.model import DistributedModel
-from shardpar.optimizer import DistributedOptimizer
+from shardpar.optim.optimizer import DistributedOptimizer
+from shardpar.runtime.model import DistributedModel
 from shardpar.tensor_parallel.comm import TPComm
 from shardpar.topology import Topology
 

@@ -38,7 +38,7 @@ from shardpar.checkpoint.safetensors_io import (
     SafetensorsWriter,
     TensorEntry,
 )
-from shardpar.model import DistributedModel
+from shardpar.runtime.model import DistributedModel
 from shardpar.tensor_parallel.comm import TPComm
 from shardpar.tensor_parallel.layers import tp_split_table
 from shardpar.tensor_parallel.split import TPSplit

@@ -25,8 +25,8 @@ from shardpar.checkpoint.full import FULL_FORMAT, HF_INDEX, MANIFEST, SINGLE_FIL
 from shardpar.checkpoint.pieces import Slot, buffer_shape_problems, persistent_buffers, slots
 from shardpar.checkpoint.placement import Cut, assemble, plan_fetch
 from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, misfit, read_header
-from shardpar.model import DistributedModel
-from shardpar.model_state import param_aliases
+from shardpar.runtime.model import DistributedModel
+from shardpar.runtime.state_dict import param_aliases
 
 
 @dataclass

@@ -23,8 +23,8 @@ from shardpar.checkpoint import atomic
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.pieces import Slot, fqn_of_piece, persistent_buffers, piece_of, slots, split_state
 from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name, write_tensors
-from shardpar.model import DistributedModel
-from shardpar.optimizer import DistributedOptimizer
+from shardpar.optim.optimizer import DistributedOptimizer
+from shardpar.runtime.model import DistributedModel
 from shardpar.topology import RankCoords
 
 

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardpar import model_state
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.placement import Cut
-from shardpar.model import DistributedModel
-from shardpar.optimizer import DistributedOptimizer
+from shardpar.optim.optimizer import DistributedOptimizer
+from shardpar.runtime import state_dict as model_state
+from shardpar.runtime.model import DistributedModel
 from shardpar.tensor_parallel.layers import tp_split_table
 
 

@@ -28,9 +28,9 @@ from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.pieces import Slot, buffer_shape_problems, fqn_of_piece, persistent_buffers, piece_of, slots
 from shardpar.checkpoint.placement import Cut, Segment, assemble, plan_fetch, reads
 from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, dtype_of, misfit
-from shardpar.model import DistributedModel
-from shardpar.optimizer import DistributedOptimizer
-from shardpar.precision import ScalerResume
+from shardpar.optim.loss_scaling import ScalerResume
+from shardpar.optim.optimizer import DistributedOptimizer
+from shardpar.runtime.model import DistributedModel
 
 
 class Reader:

@@ -1,9 +1,8 @@
 """Tensor parallelism combined with sharded data parallelism (reference 003, "Sharded data
 parallelism with tensor parallelism"): TP layers, communication regions, Hugging Face conversion,
-vocab-parallel loss, TP-aware clipping and the prescaled-batch data helper. See
+vocab-parallel loss (TP-aware clipping is optim/grad_norm.py; the prescaled-batch helper smp.rdp_slice). See
 docs/tensor_parallelism.md."""
 
-from shardpar.tensor_parallel.clip import tp_grad_norm_squared
 from shardpar.tensor_parallel.comm import (
     TPComm,
     copy_to_tp_region,
@@ -11,7 +10,6 @@ from shardpar.tensor_parallel.comm import (
     reduce_from_tp_region,
     scatter_to_tp_region,
 )
-from shardpar.tensor_parallel.data import rdp_sampler, rdp_slice
 from shardpar.tensor_parallel.hf import (
     check_tp_divisibility,
     convert_hf_model,
@@ -47,12 +45,9 @@ __all__ = [
     "gather_from_tp_region",
     "gather_full_state_dict",
     "prepare_model",
-    "rdp_sampler",
-    "rdp_slice",
     "reduce_from_tp_region",
     "scatter_to_tp_region",
     "shard_full_state_dict",
-    "tp_grad_norm_squared",
     "tp_split_table",
     "vocab_parallel_cross_entropy",
 ]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardpar.deferred_init import is_deferred, materialize
+from shardpar.sharding.deferred_init import is_deferred, materialize
 from shardpar.tensor_parallel.comm import TPComm, copy_to_tp_region
 from shardpar.tensor_parallel.layers import (
     ColumnParallelLinear,

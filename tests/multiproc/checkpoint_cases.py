@@ -370,7 +370,7 @@ def errors_case(root_s: str) -> dict[str, Any]:
 
 
 def keep_and_newest_case(root: str) -> dict[str, Any]:
-    from shardpar.precision import DynamicLossScaler
+    from shardpar.optim.loss_scaling import DynamicLossScaler
 
     model, opt, _sched = _build(sdp=2, fp16=True)  # a dynamic scaler's state resumes only into fp16
     saved_scaler = DynamicLossScaler(init_scale=1024.0, scale_window=5)

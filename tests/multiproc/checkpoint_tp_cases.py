@@ -22,8 +22,9 @@ import torch
 
 import shardpar as smp
 from shardpar import checkpoint as ckpt
+from shardpar.api.data import rdp_slice
 from shardpar.checkpoint.pieces import slots
-from shardpar.tensor_parallel import TPComm, gather_full_state_dict, rdp_slice, tp_split_table
+from shardpar.tensor_parallel import TPComm, gather_full_state_dict, tp_split_table
 from tests import models
 from tests.multiproc.parity import ADAM, _param_groups
 from tests.multiproc.tp_cases import BUILDERS, VOCAB

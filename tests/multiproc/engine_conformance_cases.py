@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import shardpar.api as api
+import shardpar.api.context as api
 from shardpar.collectives import Engine, Group, NativeEngine, ReduceOp, Span, make_engine
 from tests.multiproc.parity import run_parity
 

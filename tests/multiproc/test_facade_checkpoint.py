@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import shardpar as smp
-from shardpar.model import DistributedModel
-from shardpar.optimizer import DistributedOptimizer
+from shardpar.optim.optimizer import DistributedOptimizer
+from shardpar.runtime.model import DistributedModel
 from tests import models
 
 

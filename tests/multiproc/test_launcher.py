@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardpar.launcher import LaunchError, launch_local
+from shardpar.cli.launcher import LaunchError, launch_local
 
 
 def _fail_while_a_peer_ignores_sigterm(ready: str) -> None:

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 import shardpar as smp
+from shardpar.api.data import rdp_slice
 from shardpar.tensor_parallel import (
     TPComm,
     convert_hf_model,
     gather_full_state_dict,
-    rdp_slice,
     tp_split_table,
 )
 from tests import models

@@ -16,8 +16,8 @@ import torch
 
 import shardpar as smp
 from shardpar.checkpoint import atomic
-from shardpar.model import DistributedModel
-from shardpar.optimizer import DistributedOptimizer
+from shardpar.optim.optimizer import DistributedOptimizer
+from shardpar.runtime.model import DistributedModel
 from tests import models
 
 

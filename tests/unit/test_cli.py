@@ -53,12 +53,12 @@ def test_demo_refuses_fewer_than_two_steps_before_training(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """One step cannot show the loss falling (the run then exited 1 after training)."""
-    import shardpar.launcher
+    import shardpar.cli.launcher
 
     def no_training(*args: object, **kwargs: object) -> None:
         raise AssertionError("the demo started training")
 
-    monkeypatch.setattr(shardpar.launcher, "launch_local", no_training)
+    monkeypatch.setattr(shardpar.cli.launcher, "launch_local", no_training)
     assert "argument --steps: 1 must be >= 2: the demo checks that the loss falls" in _refused(
         ["demo", "--steps", "1"], capsys
     )

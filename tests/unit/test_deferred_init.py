@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardpar.deferred_init import (
+from shardpar.sharding.deferred_init import (
     deferred_init,
     is_deferred,
     materialize,

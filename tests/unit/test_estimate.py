@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardpar import estimate as est
+from shardpar.cli import estimate as est
 from shardpar.cli import main
 
 

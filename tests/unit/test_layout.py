@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardpar.layout import FlatLayout, flat_layout
+from shardpar.sharding.layout import FlatLayout, flat_layout
 
 # Shapes with zero-size dims, scalars (shape ()) and sizes that rarely divide the degree.
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from torch import nn
 
-from shardpar.model import DistributedModel
+from shardpar.runtime.model import DistributedModel
 
 
 @pytest.mark.parametrize("k", [0, 1.5, 2.0, True, "2"])

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from shardpar.precision import (
-    DtypePolicy,
+from shardpar.optim.loss_scaling import (
     DynamicLossScaler,
     StaticLossScaler,
     check_scaler_state,
     make_loss_scaler,
     plan_scaler_resume,
 )
+from shardpar.precision import DtypePolicy
 
 FP16 = DtypePolicy(compute=torch.float16, reduce=torch.float32)
 BF16 = DtypePolicy(compute=torch.bfloat16, reduce=torch.float32)

@@ -1,4 +1,4 @@
-"""The gradient reducer's bucket plan ([Note: bucket plan] in shardpar/reducer.py), in one process."""
+"""The gradient reducer's bucket plan ([Note: bucket plan] in shardpar/runtime/reducer.py), in one process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardpar as smp
-from shardpar.reducer import plan_buckets
+from shardpar.runtime.reducer import plan_buckets
 from tests import models
 from tests.conftest import init_world_of_one
 

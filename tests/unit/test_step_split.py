@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shardpar.step import make_step, split_batch
+from shardpar.api.step import make_step, split_batch
 
 
 class Batch(NamedTuple):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardpar.api.data import rdp_slice
 from shardpar.collectives import Group, NativeEngine
 from shardpar.tensor_parallel import (
     ColumnParallelLinear,
@@ -21,7 +22,6 @@ from shardpar.tensor_parallel import (
     check_tp_divisibility,
     convert_hf_model,
     full_shapes,
-    rdp_slice,
     shard_full_state_dict,
     tp_split_table,
 )

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import shardpar as smp
-from shardpar.units import choose_unit_modules, plan_units
+from shardpar.sharding.plan import choose_unit_modules, plan_units
 from tests.models import Block, UnevenMLP
 
 # Random module trees: Linear leaves, Sequential inner nodes.

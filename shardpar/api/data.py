@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 def _rdp(rdp_rank: int | None, rdp_size: int | None) -> tuple[int, int]:
     if rdp_rank is None or rdp_size is None:
-        import shardpar.api as smp  # the facade's state, only when the caller did not pass it
+        import shardpar.api.context as smp  # the facade's state, only when the caller did not pass it
 
         rdp_rank = smp.rdp_rank() if rdp_rank is None else rdp_rank
         rdp_size = smp.rdp_size() if rdp_size is None else rdp_size

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from shardpar.unit import Unit
+from shardpar.runtime.unit import Unit
 
 
 class _CallBackwardDone(torch.autograd.Function):

@@ -9,7 +9,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from shardpar.deferred_init import is_deferred, materialize, materialize_by_reset, record_init
+from shardpar.sharding.deferred_init import is_deferred, materialize, materialize_by_reset, record_init
 from shardpar.tensor_parallel.layers import TPLayer
 
 _SEED = 0  # every rank materialises a meta parameter with no record from the same RNG state

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shardpar.model_shape import (  # re-exported: the CLI and tests read them from here
+from shardpar.cli.model_shape import (  # re-exported: the CLI and tests read them from here
     REFERENCE_MODELS,
     ModelShape,
     reference_shape,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 
-from shardpar.unit import Unit, UnitState
+from shardpar.runtime.unit import Unit, UnitState
 
 PREFETCH = "prefetch"
 

@@ -15,11 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardpar.model import DistributedModel
-from shardpar.persistent import PersistentParams
-from shardpar.precision import LossScaler, ScalerResume, StaticLossScaler, plan_scaler_resume, precision_name
-from shardpar.tensor_parallel import tp_grad_norm_squared, tp_split_table
-from shardpar.unit import Unit
+from shardpar.optim.grad_norm import tp_grad_norm_squared
+from shardpar.optim.loss_scaling import LossScaler, ScalerResume, StaticLossScaler, plan_scaler_resume
+from shardpar.precision import precision_name
+from shardpar.runtime.model import DistributedModel
+from shardpar.runtime.persistent import PersistentParams
+from shardpar.runtime.unit import Unit
+from shardpar.tensor_parallel.layers import tp_split_table
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -104,7 +106,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Replicas hold identical main grads after the boundary AllReduce, so they agree without
         talking. An inf/nan anywhere makes the sum non-finite on every rank: the overflow check.
         A tensor-parallel model sums its TP-split grads over the TP group too and counts TP-replicated
-        ones once (shardpar/tensor_parallel/clip.py).
+        ones once (shardpar/optim/grad_norm.py).
         """
         splits = tp_split_table(self.model.module) if self.model.topology.tp.size > 1 else None
         if splits:
@@ -222,7 +224,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return {**self.optimizer.state_dict(), "loss_scaler": self.loss_scaler_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load `state_dict()`; the loss scaler follows [Note: loss scaler on resume] (precision.py),
+        """Load `state_dict()`; the loss scaler follows [Note: loss scaler on resume] (loss_scaling.py),
         decided (and a malformed scaler state rejected) before anything is loaded."""
         state = dict(state_dict)
         scaler = state.pop("loss_scaler", None)

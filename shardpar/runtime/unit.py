@@ -28,8 +28,8 @@ from torch import nn
 
 from shardpar.collectives import Engine, Group, ReduceOp, Span, Work
 from shardpar.collectives.hierarchical import hierarchical_all_gather
-from shardpar.layout import FlatLayout, ParamSlice
 from shardpar.precision import DtypePolicy
+from shardpar.sharding.layout import FlatLayout, ParamSlice
 
 
 def set_param_data(p: nn.Parameter, data: torch.Tensor) -> None:

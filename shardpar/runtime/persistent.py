@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardpar.collectives import Engine, Group, ReduceOp
-from shardpar.unit import set_param_data
+from shardpar.runtime.unit import set_param_data
 
 
 class PersistentParams:

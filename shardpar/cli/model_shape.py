@@ -50,7 +50,7 @@ def reference_shape(name: str, *, persistence_threshold: int = int(1e6)) -> Mode
 
 def shape_from_module(module: Any, *, name: str = "model", persistence_threshold: int = int(1e6)) -> ModelShape:
     """Exact unit sizes of an `nn.Module` (may live on the meta device), as DistributedModel splits it."""
-    from shardpar.units import plan_units
+    from shardpar.sharding.plan import plan_units
 
     units = plan_units(module, None)
     unit_numels, persistent = [], 0

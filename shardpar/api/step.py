@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shardpar.model import DistributedModel
+from shardpar.runtime.model import DistributedModel
 
 
 class StepOutput:

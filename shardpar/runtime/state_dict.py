@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 
 if TYPE_CHECKING:
-    from shardpar.model import DistributedModel
+    from shardpar.runtime.model import DistributedModel
 
 
 def param_aliases(module: nn.Module) -> dict[int, list[str]]:

@@ -22,17 +22,17 @@ from torch import nn
 
 from shardpar.collectives import Engine
 from shardpar.config import Config
-from shardpar.layout import flat_layout
-from shardpar.materialize import Materializer, check_nothing_materialised
-from shardpar.model_state import full_state_dict, load_full_state_dict
-from shardpar.persistent import PersistentParams
 from shardpar.precision import DtypePolicy
-from shardpar.reducer import GradReducer, plan_buckets
-from shardpar.schedule import LiveCounter, Scheduler
+from shardpar.runtime.materialize import Materializer, check_nothing_materialised
+from shardpar.runtime.persistent import PersistentParams
+from shardpar.runtime.reducer import GradReducer, plan_buckets
+from shardpar.runtime.schedule import LiveCounter, Scheduler
+from shardpar.runtime.state_dict import full_state_dict, load_full_state_dict
+from shardpar.runtime.unit import Unit, UnitComm, UnitState
+from shardpar.runtime.unit_backward import after_backward_of_call, late_gradient
+from shardpar.sharding.layout import flat_layout
+from shardpar.sharding.plan import UnitPlan, WrapPolicy, plan_units
 from shardpar.topology import Topology
-from shardpar.unit import Unit, UnitComm, UnitState
-from shardpar.unit_backward import after_backward_of_call, late_gradient
-from shardpar.units import UnitPlan, WrapPolicy, plan_units
 
 _Registered = dict[int, list[nn.Parameter]]
 

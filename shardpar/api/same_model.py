@@ -24,7 +24,7 @@ from torch import nn
 
 from shardpar.collectives import Group
 from shardpar.collectives.native import all_gather_object, broadcast_object
-from shardpar.model_state import persistent_buffers
+from shardpar.runtime.state_dict import persistent_buffers
 from shardpar.tensor_parallel.layers import tp_split_table
 
 # Elements sampled per tensor for the value digest: a random initialisation differs everywhere, so a

@@ -19,7 +19,7 @@ import torch
 from shardpar.tensor_parallel.split import TPSplit
 
 if TYPE_CHECKING:
-    from shardpar.model import DistributedModel
+    from shardpar.runtime.model import DistributedModel
 
 
 def tp_grad_norm_squared(model: DistributedModel, splits: Mapping[str, TPSplit]) -> torch.Tensor:

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardpar.collectives import CompletedWork, Engine, Group, ReduceOp, Span, Work
-from shardpar.unit import Unit
+from shardpar.runtime.unit import Unit
 
 
 @dataclass(frozen=True)

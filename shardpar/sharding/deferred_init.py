@@ -59,7 +59,7 @@ from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from shardpar.deferred_record import (
+from shardpar.sharding.deferred_record import (
     ROOTS,
     Call,
     Const,

@@ -15,16 +15,16 @@ import torch
 from torch import nn
 
 from shardpar import checkpoint as _checkpoint
-from shardpar.api import _REGISTERED, _TP_MARKS, state
-from shardpar.deferred_init import deferred_init
-from shardpar.model import DistributedModel as _DistributedModel
-from shardpar.optimizer import DistributedOptimizer as _DistributedOptimizer
-from shardpar.precision import make_loss_scaler
-from shardpar.same_model import check_same_model
-from shardpar.step import StepOutput, make_step
+from shardpar.api.context import _REGISTERED, _TP_MARKS, state
+from shardpar.api.same_model import check_same_model
+from shardpar.api.step import StepOutput, make_step
+from shardpar.optim.loss_scaling import make_loss_scaler
+from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
+from shardpar.runtime.model import DistributedModel as _DistributedModel
+from shardpar.sharding.deferred_init import deferred_init
+from shardpar.sharding.plan import WrapPolicy
 from shardpar.tensor_parallel.marks import TPOptions
 from shardpar.tensor_parallel.marks import prepare_model as prepare_tensor_parallel
-from shardpar.units import WrapPolicy
 
 # ---- model, optimizer, step ----------------------------------------------------------------------
 

@@ -16,8 +16,8 @@ from shardpar.topology import plan
 
 
 def demo(args: argparse.Namespace) -> int:
-    from shardpar.demo import demo_options, demo_rank
-    from shardpar.launcher import launch_local
+    from shardpar.cli.demo import demo_options, demo_rank
+    from shardpar.cli.launcher import launch_local
 
     world, sdp = args.nprocs, args.sdp
     p = plan(world, 1, sdp)
@@ -65,7 +65,7 @@ def _demo_summary(r: Any, sdp: int) -> int:
 
 
 def estimate(args: argparse.Namespace) -> int:
-    from shardpar import estimate as est
+    from shardpar.cli import estimate as est
     from shardpar.config import Config
 
     if args.reference:
@@ -153,7 +153,7 @@ def _shape(args: argparse.Namespace, est: Any) -> Any:
     if args.model in est.REFERENCE_MODELS:
         return est.reference_shape(args.model, persistence_threshold=threshold)
     family, _, size = args.model.partition(":")
-    from shardpar.demo import recipe
+    from shardpar.cli.demo import recipe
 
     cfg = recipe("models").hf_config(family, size or "tiny", seq=args.seq)
     return est.shape_from_hf_config(cfg, name=args.model, persistence_threshold=threshold)

@@ -27,8 +27,8 @@ from shardpar.tensor_parallel.marks import ModuleMarks
 from shardpar.topology import Plan, Topology, plan
 
 if TYPE_CHECKING:
-    from shardpar.model import DistributedModel as _DistributedModel
-    from shardpar.optimizer import DistributedOptimizer as _DistributedOptimizer
+    from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
+    from shardpar.runtime.model import DistributedModel as _DistributedModel
 
 
 class CommGroup(enum.Enum):
