@@ -246,7 +246,7 @@ def run_rank(case: Case, rank: int) -> dict[str, Any]:
     _import_framework(case.framework)
     _primer_step()
     baseline = _peak_rss_mib()
-    step, teardown = SETUPS[case.framework](case)
+    step, teardown = SETUPS[case.framework.split("@")[0]](case)  # shardpar@REV runs like shardpar
     torch.set_num_threads(threads)  # in case the framework changed it
     times, phases, cpu, busy, faults, loss = [], [], [], [], [], torch.zeros(())
     for batch in batches(case, data_rank=rank):
