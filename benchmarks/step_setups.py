@@ -225,7 +225,7 @@ def _shm_rss_mib() -> float:
 
 def _minor_faults() -> int:
     """Page faults served without I/O so far: a fresh buffer faults once per 4 KiB page it touches,
-    which costs more than the copy itself on this VM (docs/performance.md, items 6 and 7)."""
+    which costs more than the copy itself on this VM (docs/performance-history.md, items 6 and 7)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
