@@ -23,8 +23,9 @@ tiny primer step. The parent never imports torch, so it adds nothing to its chil
     .venv/bin/python benchmarks/bench_step.py --frameworks shardpar,fsdp2 --world 2 --profile /tmp/prof
     .venv/bin/python benchmarks/bench_step.py --model small,25m --frameworks shardpar --baseline REV
 
---baseline REV adds a row shardpar@REV: shardpar as of git revision REV (with the checkout's built
-extension), run exactly like shardpar and in turn with it; the summary gives current / baseline.
+--baseline REV adds a row shardpar@REV: shardpar as of git revision REV (its extension built from
+REV's csrc when that differs from the checkout's), run exactly like shardpar and in turn with it; the
+summary gives current / baseline.
 
 DeepSpeed needs the `bench` extra (pyproject.toml) and runs with DS_ACCELERATOR=cpu on gloo; when it
 cannot be imported its rows say why. Results and analysis: docs/performance.md.
@@ -237,23 +238,28 @@ def snapshot_shardpar() -> str:
 
 def snapshot_revision(rev: str) -> tuple[str, str]:
     """The row name shardpar@<short hash> and a temporary folder holding shardpar as of git revision
-    `rev`, with the checkout's built extension (csrc is compiled; refused if csrc differs from REV's)."""
+    `rev`, with its extension: the checkout's built one when csrc is the same at REV, else REV's csrc
+    built there with REV's setup.py (the Python side calls the C side through ctypes, unchecked)."""
     git = ["git", "-C", REPO]
     short = subprocess.run([*git, "rev-parse", "--short", f"{rev}^{{commit}}"], capture_output=True, text=True)
     if short.returncode != 0:
         raise ValueError(f"--baseline {rev}: not a git revision of {REPO} ({short.stderr.strip()})")
-    if subprocess.run([*git, "diff", "--quiet", rev, "--", "shardpar/csrc"]).returncode != 0:
-        raise ValueError(
-            f"--baseline {rev}: shardpar/csrc differs from the checkout's, whose built extension the "
-            f"baseline would import; build {rev} in a worktree of its own and run the benchmark there too"
-        )
-    dst = tempfile.mkdtemp(prefix="bench_step_base_")
-    archive = subprocess.run([*git, "archive", rev, "shardpar"], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", dst, "--exclude", "shardpar/csrc"], input=archive, check=True)
-    for name in os.listdir(os.path.join(REPO, "shardpar")):
-        if name.startswith("_shm") and name.endswith(".so"):
-            shutil.copy2(os.path.join(REPO, "shardpar", name), os.path.join(dst, "shardpar"))
-    return f"shardpar@{short.stdout.strip()}", dst
+    label, dst = f"shardpar@{short.stdout.strip()}", tempfile.mkdtemp(prefix="bench_step_base_")
+    archive = subprocess.run([*git, "archive", rev, "shardpar", "setup.py"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", dst], input=archive.stdout, check=True)
+    if subprocess.run([*git, "diff", "--quiet", rev, "--", "shardpar/csrc"]).returncode == 0:
+        for name in os.listdir(os.path.join(REPO, "shardpar")):
+            if name.startswith("_shm") and name.endswith(".so"):
+                shutil.copy2(os.path.join(REPO, "shardpar", name), os.path.join(dst, "shardpar"))
+    else:
+        print(f"{label}: shardpar/csrc differs from the checkout's; building its own extension", flush=True)
+        build = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
+        proc = subprocess.run(build, cwd=dst, capture_output=True, text=True)
+        if not any(n.startswith("_shm") and n.endswith(".so") for n in os.listdir(os.path.join(dst, "shardpar"))):
+            shutil.rmtree(dst, ignore_errors=True)
+            raise ValueError(f"--baseline {rev}: building its shardpar/csrc failed:\n{proc.stderr.strip()}")
+    shutil.rmtree(os.path.join(dst, "shardpar", "csrc"), ignore_errors=True)
+    return label, dst
 
 
 def _record(res: Result, ranks: list[dict[str, Any]]) -> Run:
