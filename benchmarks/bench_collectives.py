@@ -113,7 +113,8 @@ def _time_interleaved(calls: dict[str, _Timed]) -> dict[str, float]:
     for about ROUND_SECONDS; every rank uses the slowest rank's first-call time, so all agree on
     the loop count. Every other round runs the calls in reverse order: in a fixed order the loop that
     ran right after gloo's was 1-30 % (median 15 %) slower than an identical one after it (A/A, 4 ranks,
-    16-64 MiB AllReduce, docs/performance.md item 9), and that loop was always smddp's."""
+    16-64 MiB AllReduce, docs/performance-history.md, "Reversed order every other round"), and that
+    loop was always smddp's."""
     iters = {}
     for name, call in calls.items():
         first = torch.tensor([_loop_seconds(call, 1)], dtype=torch.float64)  # also the warm-up

@@ -21,6 +21,11 @@ tiny primer step. The parent never imports torch, so it adds nothing to its chil
     .venv/bin/python benchmarks/bench_step.py                     # small model, fp32, world 1 2 4
     .venv/bin/python benchmarks/bench_step.py --model small,25m --dtype fp32,bf16 --repeats 2
     .venv/bin/python benchmarks/bench_step.py --frameworks shardpar,fsdp2 --world 2 --profile /tmp/prof
+    .venv/bin/python benchmarks/bench_step.py --model small,25m --frameworks shardpar --baseline REV
+
+--baseline REV adds a row shardpar@REV: shardpar as of git revision REV (its extension built from
+REV's csrc when that differs from the checkout's), run exactly like shardpar and in turn with it; the
+summary gives current / baseline.
 
 DeepSpeed needs the `bench` extra (pyproject.toml) and runs with DS_ACCELERATOR=cpu on gloo; when it
 cannot be imported its rows say why. Results and analysis: docs/performance.md.
@@ -231,6 +236,32 @@ def snapshot_shardpar() -> str:
     return dst
 
 
+def snapshot_revision(rev: str) -> tuple[str, str]:
+    """The row name shardpar@<short hash> and a temporary folder holding shardpar as of git revision
+    `rev`, with its extension: the checkout's built one when csrc is the same at REV, else REV's csrc
+    built there with REV's setup.py (the Python side calls the C side through ctypes, unchecked)."""
+    git = ["git", "-C", REPO]
+    short = subprocess.run([*git, "rev-parse", "--short", f"{rev}^{{commit}}"], capture_output=True, text=True)
+    if short.returncode != 0:
+        raise ValueError(f"--baseline {rev}: not a git revision of {REPO} ({short.stderr.strip()})")
+    label, dst = f"shardpar@{short.stdout.strip()}", tempfile.mkdtemp(prefix="bench_step_base_")
+    archive = subprocess.run([*git, "archive", rev, "shardpar", "setup.py"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", dst], input=archive.stdout, check=True)
+    if subprocess.run([*git, "diff", "--quiet", rev, "--", "shardpar/csrc"]).returncode == 0:
+        for name in os.listdir(os.path.join(REPO, "shardpar")):
+            if name.startswith("_shm") and name.endswith(".so"):
+                shutil.copy2(os.path.join(REPO, "shardpar", name), os.path.join(dst, "shardpar"))
+    else:
+        print(f"{label}: shardpar/csrc differs from the checkout's; building its own extension", flush=True)
+        build = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
+        proc = subprocess.run(build, cwd=dst, capture_output=True, text=True)
+        if not any(n.startswith("_shm") and n.endswith(".so") for n in os.listdir(os.path.join(dst, "shardpar"))):
+            shutil.rmtree(dst, ignore_errors=True)
+            raise ValueError(f"--baseline {rev}: building its shardpar/csrc failed:\n{proc.stderr.strip()}")
+    shutil.rmtree(os.path.join(dst, "shardpar", "csrc"), ignore_errors=True)
+    return label, dst
+
+
 def _record(res: Result, ranks: list[dict[str, Any]]) -> Run:
     src, snap = ranks[0]["shardpar_file"], res.case.shardpar_path
     if src is not None and snap is not None and not src.startswith(snap):
@@ -258,7 +289,7 @@ def _run_case(res: Result, rep: int, args: argparse.Namespace) -> None:
     c = res.case
     if res.status != "ok":
         return
-    label = f"{c.framework:9s} {c.model:5s} world {c.world} {c.dtype} run {rep}"
+    label = f"{c.framework:16s} {c.model:5s} world {c.world} {c.dtype} run {rep}"
     wait_quiet(args.quiet_wait)
     t0 = time.monotonic()
     try:
@@ -276,15 +307,16 @@ def _run_case(res: Result, rep: int, args: argparse.Namespace) -> None:
     )
 
 
-def run_all(args: argparse.Namespace, shardpar_path: str | None) -> list[Result]:
-    wanted = args.frameworks.split(",")
+def run_all(args: argparse.Namespace, paths: dict[str, str | None]) -> list[Result]:
+    """`paths`: the frameworks to run, each with the shardpar snapshot its ranks import (None: the checkout)."""
+    wanted = list(paths)
     ds_problem = deepspeed_problem() if "deepspeed" in wanted else ""
     results: list[Result] = []
     for model in args.model.split(","):
         for world in [int(w) for w in args.world.split(",")]:
             for dtype in args.dtype.split(","):
                 # The sharded anchors need 2+ ranks; world 1 compares shardpar with plain PyTorch.
-                frameworks = [f for f in wanted if world > 1 or f in ("shardpar", "plain")]
+                frameworks = [f for f in wanted if world > 1 or f.split("@")[0] in ("shardpar", "plain")]
                 row = [
                     Result(
                         Case(
@@ -299,7 +331,7 @@ def run_all(args: argparse.Namespace, shardpar_path: str | None) -> list[Result]
                             steps=args.steps,
                             persistence_threshold=args.persistence_threshold,
                             profile_dir=args.profile,
-                            shardpar_path=shardpar_path,
+                            shardpar_path=paths[fw],
                         )
                     )
                     for fw in frameworks
@@ -410,6 +442,29 @@ def targets(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def versus_baseline(results: list[Result], baseline: str) -> str:
+    """Per configuration: shardpar's step time and peak RSS over those of the `baseline` row."""
+    lines = [
+        f"| model | world | dtype | step ms shardpar / {baseline} | ratio "
+        f"| peak RSS MiB shardpar / {baseline} | ratio |",
+        "|" + "---|" * 7,
+    ]
+    for sp in results:
+        c = sp.case
+        base = _find(results, baseline, c)
+        if c.framework != "shardpar" or sp.status != "ok" or base is None:
+            continue
+        noisy = "" if all(r.quiet for res in (sp, base) for r in res.counted()) else " (noisy)"
+        cells = [
+            f"{sp.median_ms:.1f} / {base.median_ms:.1f}",
+            _ratio(sp.median_ms, base.median_ms) + noisy,
+            f"{sp.peak_mib:.0f} / {base.peak_mib:.0f}",
+            _ratio(sp.peak_mib, base.peak_mib),
+        ]
+        lines.append(f"| {c.model} | {c.world} | {c.dtype} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def environment() -> dict[str, str]:
     """Versions, CPU and the shardpar revision measured (read without importing torch)."""
     from importlib import metadata
@@ -459,12 +514,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, metavar="DIR", help="also profile one step per rank into DIR")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false", help="import shardpar from the checkout")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="REV",
+        help="also run shardpar as of git revision REV (row shardpar@REV), in turn with the others",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write every result (all step times) as JSON")
     args = p.parse_args(argv)
     for name, allowed in (("frameworks", FRAMEWORKS), ("dtype", ("fp32", "bf16")), ("model", MODELS)):
         bad = [v for v in getattr(args, name).split(",") if v not in allowed]
         if bad:
             p.error(f"--{name}: {bad} not in {allowed}")
+    if args.baseline is not None and "shardpar" not in args.frameworks.split(","):
+        p.error(f"--baseline {args.baseline} is compared with shardpar: add shardpar to --frameworks")
     return args
 
 
@@ -474,13 +537,23 @@ def main(argv: list[str] | None = None) -> int:
     print("bench_step: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     print("command: " + " ".join([os.path.relpath(sys.executable), *sys.argv]), flush=True)
     t0 = time.monotonic()
-    snapshot = snapshot_shardpar() if args.snapshot else None
     try:
-        results = run_all(args, snapshot)
+        baseline = snapshot_revision(args.baseline) if args.baseline else None
+    except ValueError as err:
+        raise SystemExit(f"bench_step: {err}") from None
+    snapshot = snapshot_shardpar() if args.snapshot else None
+    paths: dict[str, str | None] = dict.fromkeys(args.frameworks.split(","), snapshot)
+    if baseline is not None:
+        paths[baseline[0]] = baseline[1]
+    try:
+        results = run_all(args, paths)
     finally:
-        if snapshot is not None:
-            shutil.rmtree(snapshot, ignore_errors=True)
-    print(f"\n{table(results)}\n\n{targets(results)}\n\ntotal {time.monotonic() - t0:.0f} s")
+        for path in {p for p in paths.values() if p is not None}:
+            shutil.rmtree(path, ignore_errors=True)
+    summary = f"{table(results)}\n\n{targets(results)}"
+    if baseline is not None:
+        summary += f"\n\n{versus_baseline(results, baseline[0])}"
+    print(f"\n{summary}\n\ntotal {time.monotonic() - t0:.0f} s")
     if args.json:
         rows = [{**asdict(r), "median_ms": r.median_ms if r.runs else None} for r in results]
         with open(args.json, "w") as f:

@@ -225,7 +225,7 @@ def _shm_rss_mib() -> float:
 
 def _minor_faults() -> int:
     """Page faults served without I/O so far: a fresh buffer faults once per 4 KiB page it touches,
-    which costs more than the copy itself on this VM (docs/performance.md, items 6 and 7)."""
+    which costs more than the copy itself on this VM (docs/performance-history.md, items 6 and 7)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
@@ -246,7 +246,7 @@ def run_rank(case: Case, rank: int) -> dict[str, Any]:
     _import_framework(case.framework)
     _primer_step()
     baseline = _peak_rss_mib()
-    step, teardown = SETUPS[case.framework](case)
+    step, teardown = SETUPS[case.framework.split("@")[0]](case)  # shardpar@REV runs like shardpar
     torch.set_num_threads(threads)  # in case the framework changed it
     times, phases, cpu, busy, faults, loss = [], [], [], [], [], torch.zeros(())
     for batch in batches(case, data_rank=rank):

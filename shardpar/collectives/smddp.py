@@ -194,7 +194,7 @@ class SmddpEngine:
     def _comm(self, ranks: tuple[int, ...]) -> shm.ShmComm:
         """The communicator of `ranks`, called in issue order (see [Note: smddp ordering]) on the
         thread that runs the collective. On the worker the collective overlaps this rank's compute,
-        so its waits sleep instead of spinning (`ShmComm.set_patient`; docs/performance.md item 8). A
+        so its waits sleep instead of spinning (`ShmComm.set_patient`; docs/performance-history.md item 8). A
         synchronous call queued behind async ones runs there too, patient, while the caller waits."""
         comm = self._comms.get(ranks)
         if comm is None:

@@ -25,7 +25,7 @@
  * ranks outnumber cores. A "patient" communicator (shm_comm_set_wait) sleeps at once: the smddp engine
  * asks for it on its worker thread, whose collectives overlap the rank's own compute, which a spinning
  * or yielding waiter slows down (25m training step, 2 ranks on 2 cores: 8-16 % less CPU per step,
- * docs/performance.md item 8). Between slices it checks the abort word, the peer's `closed` flag, the deadline
+ * docs/performance-history.md item 8). Between slices it checks the abort word, the peer's `closed` flag, the deadline
  * (-> SHM_ETIMEDOUT naming the peer) and, every 50 ms, whether every peer process is still alive
  * (kill(pid, 0) plus the zombie state in /proc -> SHM_EPEERDEAD).
  * The first rank to fail stores the reason in the abort word and wakes everyone, so peers fail fast with
@@ -920,7 +920,7 @@ static size_t piece_elems(const shm_comm *c, size_t esz) {
  * A ReduceScatter input may be given as a list of spans -- (pointer, count), or zeros when the pointer is
  * NULL -- that together form the [nranks * count] input. The reducer passes each parameter's gradient
  * where autograd left it, so no model-sized bucket is allocated (fresh mmap pages: ~70 ms per 105 MB
- * here) and packed only to be read once (docs/performance.md, item 7). Reads go forward only, so a
+ * here) and packed only to be read once (docs/performance-history.md, item 7). Reads go forward only, so a
  * cursor per destination block walks the list once per call. A contiguous input is a list of one. */
 _Static_assert(sizeof(shm_span) == 16, "shm.py passes spans as pairs of uint64");
 

@@ -29,7 +29,7 @@ added at the end of backward, are planned last for that reason.
 A bucket's [num_shards, width] buffer is allocated when its first unit arrives, exactly as wide as
 its planned units, and every unit packs its gradients straight into its column range; the full buffer
 is sent as it is. Packing each unit into a block of its own and `torch.cat`-ing the blocks at flush
-cost a second model-sized buffer and ~85 ms a step at 25M parameters (docs/performance.md, fix 1).
+cost a second model-sized buffer and ~85 ms a step at 25M parameters (docs/performance-history.md, fix 1).
 
 [Note: gradients read in place]
 Where the engine can read a ReduceScatter input in spans (`Engine.reads_spans`: smddp inside a
@@ -38,7 +38,7 @@ node), no bucket buffer exists at all: each unit's gradients are taken off its p
 counts standing for padding and missing grads (`Unit.grad_spans`). Same layout, same collective,
 same bits; what goes is the model-sized buffer, allocated afresh every step (glibc mmaps anything
 above 32 MiB: ~70 ms of page faults per 105 MB here), and one copy of every gradient into it
-(docs/performance.md, item 7). Engines that would pack the spans anyway (native: gloo and NCCL need
+(docs/performance-history.md, item 7). Engines that would pack the spans anyway (native: gloo and NCCL need
 one buffer) keep the bucket, packed unit by unit as grads arrive, so the grads are freed early.
 
 [Note: replication in the bucket]

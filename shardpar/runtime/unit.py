@@ -165,7 +165,7 @@ class Unit:
                 return
             if self.comm.sharding.size == 1:
                 # sdp 1: the shard is the whole unit. Compute on views of it instead of gathering a
-                # copy (the copy cost ~41 ms a step at 25M parameters, docs/performance.md fix 3).
+                # copy (the copy cost ~41 ms a step at 25M parameters, docs/performance-history.md fix 3).
                 self._full = self.compute_shard()
                 self._point_params_at(self._full)
                 self.state = UnitState.UNSHARDED
@@ -243,7 +243,7 @@ class Unit:
         n, width = self.layout.num_shards, self.layout.shard_numel
         # No zero-fill first: the parameters lie end to end from offset 0 (layout.py), so every element
         # is written once below -- a grad, a zero for a missing grad, or the zero padding tail.
-        # Zero-filling the whole block first cost ~55 ms a step at 25M parameters (docs/performance.md).
+        # Zero-filling the whole block first cost ~55 ms a step at 25M parameters (docs/performance-history.md).
         flat = out.view(-1) if out.is_contiguous() else None
         for spec, grad in zip(self.layout.specs, self.take_grads(), strict=True):
             _write_flat(out, flat, spec.offset, spec.numel, grad)  # copy_ casts to the bucket's dtype
