@@ -11,6 +11,7 @@ whole batch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -99,14 +100,9 @@ def make_step(
             k: split_batch(v, num) if not isinstance(v, torch.nn.Module) else [v] * num for k, v in kwargs.items()
         }
         outputs = []
-        if model is not None:
-            model.microbatches_in_step = num
-        try:
+        with model.window.in_step(num) if model is not None else contextlib.nullcontext():
             for i in range(num):
                 outputs.append(fn(*(a[i] for a in split_args), **{k: v[i] for k, v in split_kwargs.items()}))
-        finally:
-            if model is not None:
-                model.microbatches_in_step = 1
         return StepOutput(outputs)
 
     return wrapper

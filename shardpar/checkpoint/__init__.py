@@ -69,8 +69,8 @@ def save_checkpoint(
     """
     atomic.check_tag(tag)
     if partial:
-        _refuse_inside_window(
-            model, "save_checkpoint(partial=True)", "are not saved (a resume would step on the rest alone); save"
+        model.window.check_save(
+            "save_checkpoint(partial=True)", "are not saved (a resume would step on the rest alone); save"
         )
     if full_dtype is not None and not (isinstance(full_dtype, torch.dtype) and full_dtype.is_floating_point):
         raise ValueError(
@@ -172,15 +172,6 @@ def _save_full(
     return Path(coord.on_root("save_checkpoint(partial=False): committing", commit))
 
 
-def _refuse_inside_window(model: DistributedModel, what: str, lost: str) -> None:
-    done = model.window_backwards
-    if done:  # alike on every rank: they run the same backwards
-        raise ValueError(
-            f"{what} inside an accumulation window: {done} of its {model.window_length} backward passes have run, and "
-            f"their accumulated gradients {lost} after optimizer.step()"
-        )
-
-
 def resume_from_checkpoint(
     path: PathLike,
     tag: str | None = None,
@@ -205,7 +196,7 @@ def resume_from_checkpoint(
     # The resumed run then starts a window of its own (backward_passes_per_step and micro-batches may
     # differ from the saving run's): a partial save is taken at a window's end and a full one saves no
     # gradients, so the saved backward count is not restored.
-    _refuse_inside_window(model, "resume_from_checkpoint", "would be added to the loaded model's first step; resume")
+    model.window.check_save("resume_from_checkpoint", "would be added to the loaded model's first step; resume")
     root, coord = Path(path), Coordinator(topology, engine)
     # A re-save that crashed between its two renames is undone first ([Note: re-saving a tag]).
     coord.on_root("resume_from_checkpoint: recovering", lambda: atomic.recover(root))

@@ -259,7 +259,7 @@ def manifest(tag: str, checkpoint_id: str, sizes: dict[str, int], user_content: 
         "tag": tag,
         "checkpoint_id": checkpoint_id,
         "saved_at_ns": time.time_ns(),
-        "num_backward": model.num_backward,
+        "num_backward": model.window.num_backward,
         "files": {n: {"bytes": b} for n, b in sizes.items()},
         "user_content": user_content,
     }

@@ -139,7 +139,7 @@ class SaveJob:
             "checkpoint_id": self.checkpoint_id,
             "saved_at_ns": time.time_ns(),
             "step": self._step(),
-            "num_backward": model.num_backward,
+            "num_backward": model.window.num_backward,
             "topology": {"world": plan.world, "tp": plan.tp, "sdp": plan.sdp, "ranks_per_node": plan.ranks_per_node},
             "files": files,
             "params": params,

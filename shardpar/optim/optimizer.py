@@ -44,7 +44,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.clip_norm = clip_norm
         self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler(1.0)
         self.overflow = False
-        model.loss_scale = self.loss_scaler.loss_scale
+        model.window.set_loss_scale(self.loss_scaler.loss_scale)
         self._main_piece: dict[int, nn.Parameter] = {}
         self._grad_slots: list[tuple[nn.Parameter, Unit, slice, nn.Parameter]] = []  # piece, unit, slice, param
         self._persistent_slots: list[tuple[nn.Parameter, int]] = []  # (piece, index in the persistent set)
@@ -138,30 +138,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 grad.mul_(coef)
         return norm[0]
 
-    def _check_window(self) -> None:
-        """Refuse a step inside an accumulation window, before anything changes: the main grads are
-        partial sums not yet AllReduced over the replication group, so the replicas would diverge.
-        The window is the model's own: backward_passes_per_step, times smp.step's micro-batches."""
-        model = self.model
-        done, window = model.window_backwards, model.window_length
-        if done:
-            per_step = model.backward_passes_per_step
-            micro = f" x {window // per_step} micro-batches" if window > per_step else ""
-            raise ValueError(
-                f"optimizer.step() after {done} of the {window} backward passes of an accumulation window "
-                f"(backward_passes_per_step={per_step}{micro}): the gradients are not reduced over the "
-                f"replication group until the window ends. Call step() after every {window} backward passes, "
-                "or lower backward_passes_per_step"
-            )
-
     def step(self, closure: Any = None) -> Any:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure (the model is sharded)")
-        self._check_window()
+        self.model.window.check_step()  # before anything changes
         fp16 = self.model.policy.compute == torch.float16
         needs_norm = fp16 or self.clip_norm > 0 or self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0
         sq = self.grad_norm_squared() if needs_norm else None
-        scale = self.model.loss_scale  # what this window's backwards multiplied the loss by
+        scale = self.model.window.loss_scale  # what this window's backwards multiplied the loss by
         if sq is not None and fp16:
             # fp16, whatever the scale and clipping: an inf/nan on any rank makes the norm's one
             # AllReduce non-finite everywhere. The only host sync of the step, needed to decide the
@@ -169,7 +153,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.overflow = not bool(torch.isfinite(sq).item())
             self.loss_scaler.update(self.overflow)
             if self.overflow:
-                self.model.loss_scale = self.loss_scaler.loss_scale
+                self.model.window.set_loss_scale(self.loss_scaler.loss_scale)
                 self.model.end_step()
                 return None
         # `scale`, not the scaler's: a dynamic scaler that just grew its scale (update above) must not
@@ -180,14 +164,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for unit in self.model.units:
             unit.refresh_compute()
         self.model.persistent.refresh_compute()
-        self.model.loss_scale = self.loss_scaler.loss_scale
+        self.model.window.set_loss_scale(self.loss_scaler.loss_scale)
         self.model.end_step()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # The window's gradients are dropped, so the next backward starts a window (one abandoned after
-        # an error would otherwise end off the user's count).
-        self.model.window_backwards = 0
+        self.model.window.reset()  # the window's gradients are dropped
         if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped
             self.model.reset_grad_usage()
         holders: list[Unit | PersistentParams] = [*self.model.units, self.model.persistent]
@@ -248,7 +230,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             warnings.warn(plan.warning, stacklevel=3)
         if plan.apply:
             self.loss_scaler.load_state_dict(saved)
-        self.model.loss_scale = self.loss_scaler.loss_scale  # what model.backward multiplies by
+        self.model.window.set_loss_scale(self.loss_scaler.loss_scale)  # what model.backward multiplies by
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         raise ValueError("add_param_group after wrapping is not supported; build all groups before wrapping")

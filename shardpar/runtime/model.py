@@ -1,14 +1,9 @@
 """DistributedModel: MiCS sharding of an unchanged nn.Module through hooks.
 
-    forward:   pre-forward(unit)  -> unshard ("fwd")          post-forward(unit) -> reshard ("fwd")
-    backward:  grad of unit output -> unshard ("bwd")          all unit grads in  -> ReduceScatter, reshard
-    end of backward (autograd callback): units not reduced yet -> ReduceScatter (zeros where no grad);
-               at the accumulation boundary -> AllReduce main grads over the replication group and
-               persistent grads over the rdp group.
-
-The root unit keeps its parameters after a forward that records a graph (its lm_head is the first
-thing backward needs; FSDP2 does the same) and frees them when backward ends. See [Note: holders]
-in unit.py for how shared parameters stay alive.
+It builds the pieces and keeps the nn.Module surface: the units (unit.py) with their shards, the
+persistent parameters, the Scheduler that alone gathers and frees units (schedule.py), the bucketed
+reducer (reducer.py), the accumulation window (window.py), and the hooks that drive them (hooks.py,
+where the forward/backward sequence is pictured).
 """
 
 from __future__ import annotations
@@ -17,34 +12,24 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from shardpar.collectives import Engine
 from shardpar.config import Config
 from shardpar.precision import DtypePolicy
+from shardpar.runtime.hooks import ModelHooks
 from shardpar.runtime.materialize import Materializer, check_nothing_materialised
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer, plan_buckets
 from shardpar.runtime.schedule import LiveCounter, Scheduler
 from shardpar.runtime.state_dict import full_state_dict, load_full_state_dict
 from shardpar.runtime.unit import Unit, UnitComm, UnitState
-from shardpar.runtime.unit_backward import after_backward_of_call, late_gradient
+from shardpar.runtime.window import AccumulationWindow
 from shardpar.sharding.layout import flat_layout
 from shardpar.sharding.plan import UnitPlan, WrapPolicy, plan_units
 from shardpar.topology import Topology
 
 _Registered = dict[int, list[nn.Parameter]]
-
-
-def _in_backward() -> bool:
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, Mapping):  # HF ModelOutput is an OrderedDict
-        return [t for v in obj.values() for t in _tensors(v)]
-    return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 class DistributedModel(nn.Module):
@@ -63,28 +48,15 @@ class DistributedModel(nn.Module):
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
-        k = backward_passes_per_step
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:  # 1.5 would never reach a window's end
-            raise ValueError(f"backward_passes_per_step={k!r} must be an integer >= 1 (backward passes per step)")
+        self.window = AccumulationWindow(backward_passes_per_step)  # validates it first
         if config.delayed_parameter_initialization:
             check_nothing_materialised(module)
         self.module = module
         self.config = config
         self.topology = topology
         self.engine = engine
-        self.backward_passes_per_step = backward_passes_per_step
-        self.num_backward = 0  # every backward pass so far (informational)
-        self.microbatches_in_step = 1  # set by smp.step while it runs
-        # Backward passes of the open accumulation window, and the window's length at its last
-        # backward (backward_passes_per_step x micro-batches). Counted, not derived from num_backward:
-        # the micro-batch count is known only while smp.step runs, and a resumed run may use another.
-        self.window_backwards = 0
-        self.window_length = backward_passes_per_step
-        self._backward_ends_window = False
-        self.loss_scale = 1.0  # set by the DistributedOptimizer's fp16 loss scaler
         self.unused_params: set[int] = set()  # ids of params without a gradient in the last window
         self.policy = DtypePolicy.from_config(config)
-        self._finalize_queued_for: int | None = None
         self.device = device or _module_device(module)
         materialize = Materializer(module, self.device)
         materialize.buffers()
@@ -111,7 +83,17 @@ class DistributedModel(nn.Module):
         )
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         self._link_dependencies(plans, registered or {})
-        self._install_hooks()
+        self._hooks = ModelHooks(
+            module,
+            self.units,
+            self.persistent,
+            scheduler=self.scheduler,
+            reducer=self.reducer,
+            window=self.window,
+            unit_of_param=self._unit_of_param,
+            on_window_end=self._agree_on_unused_params,
+        )
+        self._hooks.install()
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -171,115 +153,6 @@ class DistributedModel(nn.Module):
                     continue
                 user.deps.append(owner)
 
-    def _install_hooks(self) -> None:
-        self._handles = []
-        for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
-            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
-            for p in unit.params:
-                if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
-        for p in self.persistent.params:
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
-        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward))
-
-    # ---- hooks --------------------------------------------------------------------------------
-
-    def _make_pre_forward(self, unit: Unit) -> Any:
-        def hook(module: nn.Module, args: Any) -> Any:
-            # During backward this is an activation-checkpoint recomputation: the unit belongs to
-            # its backward until its grads are reduced.
-            backward = _in_backward()
-            self.scheduler.require(unit, "bwd" if backward else "fwd", backward=backward)
-            if unit.deps and not backward and torch.is_grad_enabled():
-                return after_backward_of_call(unit, args)
-            return None
-
-        return hook
-
-    def _make_post_forward(self, unit: Unit) -> Any:
-        is_root = unit.module is self.module
-
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            records_graph = torch.is_grad_enabled()
-            if records_graph:
-                self._register_pre_backward(unit, output)
-            if not (is_root and records_graph):
-                unit.reshard("fwd")
-            if is_root and not _in_backward():
-                self.scheduler.end_forward()
-            return None
-
-        return hook
-
-    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not _in_backward():
-            if self._finalize_queued_for is not None:
-                # A backward that raised never ran its end callback; a new forward starts clean,
-                # without the .grad it left on parameters it had not reduced yet.
-                self._finalize_queued_for = None
-                for unit in self.units:
-                    unit.drop_stale_grads()
-                self.persistent.drop_stale_grads()
-            self.scheduler.begin_forward()
-
-    def _register_pre_backward(self, unit: Unit, output: Any) -> None:
-        def on_grad(grad: torch.Tensor) -> None:
-            self._queue_finalize()
-            if not unit.reduced:
-                self.scheduler.require(unit, "bwd", backward=True)
-
-        for t in _tensors(output):
-            if t.requires_grad:
-                t.register_hook(on_grad)
-
-    def _on_grad_accumulated(self, p: torch.Tensor) -> None:
-        self._queue_finalize()
-        unit = self._unit_of_param.get(id(p))
-        if unit is None:
-            return  # persistent: reduced at the boundary
-        if unit.reduced:
-            raise late_gradient(unit, p)
-        unit.grads_arrived += 1
-        if unit.grads_arrived == unit.num_trainable and not unit.has_frozen:
-            self.reducer.add(unit)
-            unit.reshard("bwd")
-            unit.reshard("fwd")
-
-    def _queue_finalize(self) -> None:
-        # Queue once per outermost backward: a reentrant activation checkpoint runs nested backward
-        # graph tasks whose end is not the end of the step's backward.
-        if self._finalize_queued_for is not None:
-            return
-        self._finalize_queued_for = torch._C._current_graph_task_id()
-        for unit in self.units:
-            unit.begin_backward()
-        self.window_length = self.backward_passes_per_step * self.microbatches_in_step
-        self._backward_ends_window = self.window_backwards + 1 >= self.window_length
-        self.reducer.begin_backward(boundary=self._backward_ends_window, scale=1.0 / self.microbatches_in_step)
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    def _finish_backward(self) -> None:
-        self._finalize_queued_for = None
-        for unit in self.units:
-            if unit.num_trainable and not unit.reduced:
-                self.reducer.add(unit)
-        # See [Note: micro-batch averaging].
-        scale = 1.0 / self.microbatches_in_step
-        self.reducer.drain(scale=scale)
-        self.persistent.collect_grads(scale=scale)
-        self.num_backward += 1
-        self.window_backwards = 0 if self._backward_ends_window else self.window_backwards + 1
-        if self._backward_ends_window:
-            if not self.reducer.replicates:  # else the buckets carried it ([Note: replication in the bucket])
-                for unit in self.units:
-                    unit.finish_accumulation()
-            self._agree_on_unused_params()
-        for unit in self.units:
-            unit.release()
-        self.scheduler.end_backward()
-
     def _agree_on_unused_params(self) -> None:
         """[Note: unused params]
         A parameter that got no gradient anywhere in the accumulation window must not be stepped:
@@ -302,9 +175,7 @@ class DistributedModel(nn.Module):
         releases what a graph-recording forward that got no backward (a metric computed without
         torch.no_grad) left gathered -- the root keeps its parameters for the backward -- since those
         values are stale now; the next forward gathers the stepped ones."""
-        for unit in self.units:
-            unit.borrow_calls = 0  # calls from graphs that never got a backward
-            unit.release()
+        self.scheduler.release_all()
         stats = getattr(self.engine, "stats", None)
         if stats is not None:
             stats.begin_step()
@@ -323,6 +194,20 @@ class DistributedModel(nn.Module):
         if depth < 0:
             raise ValueError(f"prefetch depth {depth} must be >= 0")
         self.scheduler.prefetch_depth = depth
+
+    def set_backward_passes_per_step(self, backward_passes_per_step: int) -> None:
+        """The accumulation window's backward passes per step, from the next backward on."""
+        self.window.set_backward_passes_per_step(backward_passes_per_step)
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Read-only: `set_backward_passes_per_step` changes it."""
+        return self.window.backward_passes_per_step
+
+    @property
+    def loss_scale(self) -> float:
+        """What `backward` multiplies the loss by: the DistributedOptimizer's fp16 loss scale."""
+        return self.window.loss_scale
 
     def set_live_trace(self, enabled: bool) -> None:
         """Record (unit, delta, live elements) at every gather and free, in `model.live.trace`."""

@@ -84,7 +84,7 @@ class BucketPlan:
 def plan_buckets(units: list[Unit], bucket_size: int) -> list[BucketPlan]:
     """Trainable units in reverse order, packed into buckets of at most `bucket_size` elements; a unit
     bigger than that goes alone. Units with frozen parameters come last: they are only added at the end
-    of backward (model.py), and planned earlier they would hold back every bucket after them."""
+    of backward (hooks.py), and planned earlier they would hold back every bucket after them."""
     groups: list[list[Unit]] = [[]]
     numel = 0
     trainable = [u for u in reversed(units) if u.num_trainable]

@@ -3,10 +3,15 @@ the network communication with the computation"; `sdp_max_live_parameters`).
 
 The unit order of forward and of backward is recorded as it happens and replayed as a prediction
 on the next pass: when unit i starts, the AllGather of the unit predicted after it is issued
-asynchronously (holder "prefetch") and runs on the engine's thread (gloo) or stream (NCCL) while i
+asynchronously (a PREFETCH hold) and runs on the engine's thread (gloo) or stream (NCCL) while i
 computes. A wrong prediction (another branch, eval, generate) costs only the wasted gather: the
 unit actually needed is gathered on demand, stale prefetches are dropped at the end of the pass,
 and the new order replaces the old one -- there is no trace to invalidate.
+
+The Scheduler is the only caller of `Unit.unshard` / `wait_for_unshard` / `reshard` / `release`: the
+hooks (hooks.py) tell it what happened -- a unit is required, its forward is done, its grads are
+reduced, a borrowing call's backward is done, the backward or the step ended -- and it decides what
+is gathered and what is freed ([Note: holders] in unit.py).
 
 [Note: live cap]
 Unsharded elements (gathered or in flight) never exceed `sdp_max_live_parameters`:
@@ -21,9 +26,10 @@ from __future__ import annotations
 
 import warnings
 
-from shardpar.runtime.unit import Unit, UnitState
+from shardpar.runtime.unit import BACKWARD, FORWARD, PREFETCH, Hold, HoldKind, Unit, UnitState
 
-PREFETCH = "prefetch"
+_ONLY_PREFETCH = {PREFETCH}
+_OWN: dict[HoldKind, Hold] = {HoldKind.FORWARD: FORWARD, HoldKind.BACKWARD: BACKWARD, HoldKind.PREFETCH: PREFETCH}
 
 
 class LiveCounter:
@@ -64,28 +70,60 @@ class Scheduler:
         self.drop_prefetches()
 
     def end_backward(self) -> None:
+        """The end of a backward: free every unit (the root kept for it included) and record the order."""
+        for unit in self.units:
+            unit.release()
         if self._backward_now:
             self.backward_order = self._backward_now
         self._backward_now = []
         self.drop_prefetches()
 
+    def release_all(self) -> None:
+        """The end of an optimizer step: free what a graph-recording forward that got no backward left
+        gathered (the root keeps its parameters for the backward); those values are stale now."""
+        for unit in self.units:
+            unit.borrow_calls = 0  # calls from graphs that never got a backward
+            unit.release()
+
     def drop_prefetches(self) -> None:
         for unit in self.units:
-            if PREFETCH in unit.holders:
+            if PREFETCH in unit.holds:
                 unit.reshard(PREFETCH)
 
     # ---- per unit ------------------------------------------------------------------------------
 
-    def require(self, unit: Unit, holder: str, *, backward: bool) -> None:
-        """Unit `unit` is about to compute: make it (and its borrowed units) gathered, then prefetch."""
+    def require(self, unit: Unit, kind: HoldKind) -> None:
+        """Unit `unit` is about to compute (its forward, or its backward when `kind` is BACKWARD): make it
+        (and its borrowed units) gathered, then prefetch."""
+        backward = kind is HoldKind.BACKWARD
         (self._backward_now if backward else self._forward_now).append(unit)
         self._make_room(unit)
-        unit.unshard(holder, async_op=True)
+        unit.unshard(_OWN[kind], async_op=True)
         unit.reshard(PREFETCH)  # a prefetch turned into a real use (no-op otherwise)
         unit.wait_for_unshard()
         order = self._predicted_order(backward)
         for nxt in self._next_units(order, unit):
             self._prefetch(nxt)
+
+    def forward_done(self, unit: Unit) -> None:
+        """The unit's forward returned: drop its forward hold (freed unless something else holds it)."""
+        unit.reshard(FORWARD)
+
+    def grads_reduced(self, unit: Unit) -> None:
+        """Every gradient of the unit was handed to the reducer: its backward no longer needs it."""
+        unit.reshard(BACKWARD)
+        unit.reshard(FORWARD)
+
+    def begin_borrowing_call(self, unit: Unit) -> None:
+        """A forward call of a borrowing unit whose backward ends in `backward_of_call_done`."""
+        unit.borrow_calls += 1
+
+    def backward_of_call_done(self, unit: Unit) -> None:
+        """The backward of one of the unit's forward calls has run: once every call's has, its backward
+        holds on the units it borrows from end ([Note: holders] in unit.py)."""
+        unit.borrow_calls -= 1
+        if unit.borrow_calls == 0:
+            unit.release_borrowed()
 
     def _predicted_order(self, backward: bool) -> list[Unit]:
         if not backward:
@@ -117,7 +155,7 @@ class Scheduler:
             return
         keep = {id(unit), *(id(d) for d in unit.deps)}
         for other in self.units:
-            if id(other) not in keep and other.holders == {PREFETCH}:
+            if id(other) not in keep and other.holds == _ONLY_PREFETCH:
                 other.reshard(PREFETCH)
                 if self.live.live + need <= self.cap:
                     return

@@ -5,16 +5,20 @@ Between `unshard` and `reshard` each original parameter's `.data` is a view into
 buffer; otherwise it is an empty tensor and only the flat fp32 main shard holds the values.
 
 [Note: holders]
-A unit stays unsharded while any *holder* needs it: "fwd" (its own forward), "bwd" (its backward,
-from the pre-backward hook or an activation-checkpoint recomputation until its grads are reduced),
-or "<holder>@<unit>" when another unit uses one of its parameters (tied weights,
-smp.register_parameter). `reshard` drops one holder and frees the buffer when none is left, so a
-parameter is never freed under a user that still needs it. A borrower's "bwd@<unit>" hold is not
-dropped when the borrower's own grads arrive -- they may come before the backward of an op that
-saved the borrowed parameter (`x @ w`) -- but once the gradients of the tensor inputs of each of
-its forward calls have been computed, which is when its whole backward has run (`release_borrowed`,
-called from unit_backward.py's _CallBackwardDone); a call without such inputs leaves it to the end of the
-backward.
+A unit stays unsharded while any *hold* on it is left. A `Hold` names why it is needed: its own
+forward (`FORWARD`), its own backward (`BACKWARD`: from the pre-backward hook or an activation-checkpoint
+recomputation until its grads are reduced), a `PREFETCH` issued by the scheduler, or the same kinds
+*borrowed*, `Hold(kind, borrower=i)`, when unit i uses one of its parameters (tied weights,
+smp.register_parameter). A unit's own hold puts `Hold(kind, borrower=its index)` on each unit it
+borrows from; a borrowed hold is passed on unchanged to the lender's own lenders. `reshard` drops one
+hold and frees the buffer when none is left, so a parameter is never freed under a user that still
+needs it. Only the Scheduler (schedule.py) takes and drops holds; the hooks (hooks.py) ask it.
+
+A borrower's BACKWARD hold is not dropped when the borrower's own grads arrive -- they may come before
+the backward of an op that saved the borrowed parameter (`x @ w`) -- but once the gradients of the
+tensor inputs of each of its forward calls have been computed, which is when its whole backward has
+run (`release_borrowed`, from hooks.py's _CallBackwardDone through the scheduler); a call without such
+inputs leaves it to the end of the backward.
 """
 
 from __future__ import annotations
@@ -46,6 +50,29 @@ class UnitState(enum.Enum):
     SHARDED = "sharded"
     UNSHARDING = "unsharding"  # AllGather issued, buffer allocated, not waited for yet
     UNSHARDED = "unsharded"
+
+
+class HoldKind(enum.Enum):
+    """Why a unit is kept unsharded ([Note: holders])."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    PREFETCH = "prefetch"
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """One reason a unit is unsharded: `kind`, for the unit itself (`borrower` None) or for unit
+    `borrower`, which uses its parameters ([Note: holders])."""
+
+    kind: HoldKind
+    borrower: int | None = None
+
+
+# A unit's own holds; the borrowed ones are built once per unit (`Unit.lent_holds`): no allocation per call.
+FORWARD = Hold(HoldKind.FORWARD)
+BACKWARD = Hold(HoldKind.BACKWARD)
+PREFETCH = Hold(HoldKind.PREFETCH)
 
 
 @dataclass(frozen=True)
@@ -105,7 +132,9 @@ class Unit:
         self.main_grad: torch.Tensor | None = None
         self._compute_shard: torch.Tensor | None = None  # half-precision copy of main_shard (mixed only)
         self.state = UnitState.SHARDED
-        self.holders: set[str] = set()
+        self.holds: set[Hold] = set()
+        # The hold this unit's own hold of each kind puts on the units it borrows from.
+        self.lent_holds = {kind: Hold(kind, borrower=index) for kind in HoldKind}
         self.deps: list[Unit] = []  # units whose parameters this unit's forward uses
         # Forward calls of this unit whose inputs have not all got their gradient yet ([Note: holders]).
         self.borrow_calls = 0
@@ -153,12 +182,14 @@ class Unit:
 
     # ---- unshard / reshard -------------------------------------------------------------------
 
-    def unshard(self, holder: str, *, async_op: bool = False) -> None:
-        """Add `holder`; AllGather the unit if nobody had it gathered. With `async_op` the gather only
-        starts: `wait_for_unshard` (called by the forward/backward hooks) finishes it."""
+    def unshard(self, hold: Hold, *, async_op: bool = False) -> None:
+        """Add `hold` (and its hold on each unit it borrows from); AllGather the unit if nobody had it
+        gathered. With `async_op` the gather only starts: `wait_for_unshard` (called by the scheduler)
+        finishes it."""
+        lent = hold if hold.borrower is not None else self.lent_holds[hold.kind]
         for dep in self.deps:
-            dep.unshard(f"{holder}@{self.index}", async_op=async_op)
-        self.holders.add(holder)
+            dep.unshard(lent, async_op=async_op)
+        self.holds.add(hold)
         if self.state is UnitState.SHARDED:
             if self.layout.numel == 0:
                 self.state = UnitState.UNSHARDED
@@ -198,23 +229,29 @@ class Unit:
 
     def release_borrowed(self) -> None:
         """Drop this unit's backward holds on the units it borrows from (see [Note: holders])."""
+        lent = self.lent_holds[HoldKind.BACKWARD]
         for dep in self.deps:
-            if f"bwd@{self.index}" in dep.holders:
-                dep.reshard(f"bwd@{self.index}")
+            if lent in dep.holds:
+                dep.reshard(lent)
 
     def release(self) -> None:
-        """Drop every holder and free the gathered buffer (the end of a backward, or of a step)."""
-        self.holders.clear()
-        self.reshard("")
+        """Drop every hold and free the gathered buffer (the end of a backward, or of a step)."""
+        self.holds.clear()
+        self._free_if_unheld()
 
-    def reshard(self, holder: str) -> None:
-        """Drop `holder`; free the gathered buffer once nobody holds the unit."""
-        if holder in self.holders:
-            self.holders.discard(holder)
-            if holder != "bwd":  # a backward's hold goes in release_borrowed ([Note: holders])
+    def reshard(self, hold: Hold) -> None:
+        """Drop `hold`; free the gathered buffer once nothing holds the unit."""
+        if hold in self.holds:
+            self.holds.discard(hold)
+            if hold.borrower is not None or hold.kind is not HoldKind.BACKWARD:
+                # (its own backward's hold on its lenders goes in release_borrowed, [Note: holders])
+                lent = hold if hold.borrower is not None else self.lent_holds[hold.kind]
                 for dep in self.deps:
-                    dep.reshard(f"{holder}@{self.index}")
-        if self.holders or self.state is UnitState.SHARDED:
+                    dep.reshard(lent)
+        self._free_if_unheld()
+
+    def _free_if_unheld(self) -> None:
+        if self.holds or self.state is UnitState.SHARDED:
             return
         if self._gather_work is not None:
             self._gather_work.wait()  # the engine may still be writing into the buffer

@@ -1,0 +1,215 @@
+"""The hooks that drive a DistributedModel: they tell the Scheduler and the reducer what happened, and
+free nothing themselves.
+
+    forward:   pre-forward(unit)  -> scheduler.require(FORWARD)      post-forward(unit) -> scheduler.forward_done
+    backward:  grad of unit output -> scheduler.require(BACKWARD)     all unit grads in  -> ReduceScatter,
+                                                                                           scheduler.grads_reduced
+    end of backward (autograd callback): units not reduced yet -> ReduceScatter (zeros where no grad);
+               at the accumulation boundary -> AllReduce main grads over the replication group and
+               persistent grads over the rdp group; scheduler.end_backward frees every unit.
+
+The root unit keeps its parameters after a forward that records a graph (its lm_head is the first
+thing backward needs; FSDP2 does the same) and frees them when backward ends. See [Note: holders]
+in unit.py for how shared parameters stay alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from shardpar.runtime.persistent import PersistentParams
+from shardpar.runtime.reducer import GradReducer
+from shardpar.runtime.schedule import Scheduler
+from shardpar.runtime.unit import HoldKind, Unit
+from shardpar.runtime.window import AccumulationWindow
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, Mapping):  # HF ModelOutput is an OrderedDict
+        return [t for v in obj.values() for t in _tensors(v)]
+    return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+class ModelHooks:
+    """Installs and runs the forward/backward hooks of `root`'s units."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        units: list[Unit],
+        persistent: PersistentParams,
+        *,
+        scheduler: Scheduler,
+        reducer: GradReducer,
+        window: AccumulationWindow,
+        unit_of_param: dict[int, Unit],
+        on_window_end: Callable[[], None],
+    ) -> None:
+        self.root = root
+        self.units = units
+        self.persistent = persistent
+        self.scheduler = scheduler
+        self.reducer = reducer
+        self.window = window
+        self._unit_of_param = unit_of_param
+        self._on_window_end = on_window_end  # after the boundary's collectives ([Note: unused params] in model.py)
+        self._finalize_queued_for: int | None = None
+        self.handles: list[Any] = []
+
+    def install(self) -> None:
+        for unit in self.units:
+            self.handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self.handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+            for p in unit.params:
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+        for p in self.persistent.params:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+        self.handles.append(self.root.register_forward_pre_hook(self._root_pre_forward))
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def _make_pre_forward(self, unit: Unit) -> Any:
+        def hook(module: nn.Module, args: Any) -> Any:
+            # During backward this is an activation-checkpoint recomputation: the unit belongs to
+            # its backward until its grads are reduced.
+            backward = _in_backward()
+            self.scheduler.require(unit, HoldKind.BACKWARD if backward else HoldKind.FORWARD)
+            if unit.deps and not backward and torch.is_grad_enabled():
+                return self._after_backward_of_call(unit, args)
+            return None
+
+        return hook
+
+    def _make_post_forward(self, unit: Unit) -> Any:
+        is_root = unit.module is self.root
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            records_graph = torch.is_grad_enabled()
+            if records_graph:
+                self._register_pre_backward(unit, output)
+            if not (is_root and records_graph):
+                self.scheduler.forward_done(unit)
+            if is_root and not _in_backward():
+                self.scheduler.end_forward()
+            return None
+
+        return hook
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not _in_backward():
+            if self._finalize_queued_for is not None:
+                # A backward that raised never ran its end callback; a new forward starts clean,
+                # without the .grad it left on parameters it had not reduced yet.
+                self._finalize_queued_for = None
+                for unit in self.units:
+                    unit.drop_stale_grads()
+                self.persistent.drop_stale_grads()
+            self.scheduler.begin_forward()
+
+    def _after_backward_of_call(self, unit: Unit, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """A forward call of a unit that borrows parameters: route its positional tensor inputs through
+        _CallBackwardDone, so that its backward holds on the lenders end with its backward ([Note:
+        holders] in unit.py). Without such inputs the holds last to the end of the backward."""
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not positions:
+            return None
+        self.scheduler.begin_borrowing_call(unit)
+        passed = _CallBackwardDone.apply(self.scheduler, unit, *(args[i] for i in positions))
+        out = list(args)
+        for i, t in zip(positions, passed, strict=True):
+            out[i] = t
+        return tuple(out)
+
+    # ---- backward -----------------------------------------------------------------------------
+
+    def _register_pre_backward(self, unit: Unit, output: Any) -> None:
+        def on_grad(grad: torch.Tensor) -> None:
+            self._queue_finalize()
+            if not unit.reduced:
+                self.scheduler.require(unit, HoldKind.BACKWARD)
+
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(on_grad)
+
+    def _on_grad_accumulated(self, p: torch.Tensor) -> None:
+        self._queue_finalize()
+        unit = self._unit_of_param.get(id(p))
+        if unit is None:
+            return  # persistent: reduced at the boundary
+        if unit.reduced:
+            raise late_gradient(unit, p)
+        unit.grads_arrived += 1
+        if unit.grads_arrived == unit.num_trainable and not unit.has_frozen:
+            self.reducer.add(unit)
+            self.scheduler.grads_reduced(unit)
+
+    def _queue_finalize(self) -> None:
+        # Queue once per outermost backward: a reentrant activation checkpoint runs nested backward
+        # graph tasks whose end is not the end of the step's backward.
+        if self._finalize_queued_for is not None:
+            return
+        self._finalize_queued_for = torch._C._current_graph_task_id()
+        for unit in self.units:
+            unit.begin_backward()
+        boundary = self.window.begin_backward()
+        self.reducer.begin_backward(boundary=boundary, scale=self.window.grad_scale)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        self._finalize_queued_for = None
+        for unit in self.units:
+            if unit.num_trainable and not unit.reduced:
+                self.reducer.add(unit)
+        # See [Note: micro-batch averaging] in model.py.
+        scale = self.window.grad_scale
+        self.reducer.drain(scale=scale)
+        self.persistent.collect_grads(scale=scale)
+        boundary = self.window.ends_window
+        self.window.end_backward()
+        if boundary:
+            if not self.reducer.replicates:  # else the buckets carried it ([Note: replication in the bucket])
+                for unit in self.units:
+                    unit.finish_accumulation()
+            self._on_window_end()
+        self.scheduler.end_backward()
+
+
+class _CallBackwardDone(torch.autograd.Function):
+    """Identity on a forward call's tensor inputs; its backward runs once the gradients of all of them
+    are computed -- the call's whole backward has run -- and before they flow on to whoever produced
+    the inputs (FSDP2 puts its post-backward in the same place)."""
+
+    @staticmethod
+    def forward(ctx: Any, scheduler: Scheduler, unit: Unit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.scheduler = scheduler
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.scheduler.backward_of_call_done(ctx.unit)
+        return (None, None, *grads)
+
+
+def late_gradient(unit: Unit, p: torch.Tensor) -> RuntimeError:
+    """A gradient for a unit whose gradients this backward already reduced: it would be left on .grad,
+    never reduced, and added into the next step's gradient."""
+    name = next((s.fqn for q, s in zip(unit.params, unit.layout.specs, strict=True) if q is p), "?")
+    return RuntimeError(
+        f"{name} (unit {unit.name}) got a gradient after the unit's gradients were reduced in this backward. "
+        "The unit ran more than once inside reentrant activation checkpointing "
+        "(torch.utils.checkpoint(..., use_reentrant=True)), whose nested backwards deliver each use's "
+        "gradient apart; checkpoint it with use_reentrant=False, as PyTorch recommends"
+    )

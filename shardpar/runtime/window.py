@@ -1,0 +1,121 @@
+"""The gradient-accumulation window: which backward ends it, and what the backwards are scaled by.
+
+A window is `backward_passes_per_step` backward passes, times smp.step's micro-batches while a step
+runs; the replication AllReduce runs in the backward that ends it, and only then may the optimizer
+step or a partial checkpoint be saved. The backwards of the open window are counted, not derived from
+`num_backward`: the micro-batch count is known only while smp.step runs, and a resumed run may use
+another (a resumed run starts a window of its own).
+
+    begin_backward() -> ends_window      (the backward's first gradient, hooks.py)
+    end_backward()                       (the end-of-backward callback)
+    reset()                              (zero_grad: the window's gradients are dropped)
+    check_step() / check_save(...)       (refuse a step or a save inside a window)
+
+One owner: the model's hooks, smp.step, the optimizer and the checkpoints use it through these
+methods; nothing else writes its fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class AccumulationWindow:
+    def __init__(self, backward_passes_per_step: int) -> None:
+        self._per_step = _checked(backward_passes_per_step)
+        self._microbatches = 1  # of the running smp.step
+        self._done = 0  # backward passes of the open window
+        self._length = self._per_step  # the window's length at its last backward
+        self._ends = False  # whether the running backward ends the window
+        self._num_backward = 0  # every backward pass so far (informational)
+        self._loss_scale = 1.0  # set from the DistributedOptimizer's fp16 loss scaler
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._per_step
+
+    @property
+    def num_backward(self) -> int:
+        return self._num_backward
+
+    @property
+    def loss_scale(self) -> float:
+        """What `model.backward` multiplies the loss by (the optimizer divides it out again)."""
+        return self._loss_scale
+
+    @property
+    def grad_scale(self) -> float:
+        """The factor a backward's gradients enter the main grads with: 1 / micro-batches of the running
+        smp.step ([Note: micro-batch averaging] in model.py)."""
+        return 1.0 / self._microbatches
+
+    @property
+    def ends_window(self) -> bool:
+        """Whether the running (or last) backward ends the window."""
+        return self._ends
+
+    # ---- changes --------------------------------------------------------------------------------
+
+    def set_backward_passes_per_step(self, backward_passes_per_step: int) -> None:
+        """Takes effect from the next backward (the open window is measured with it)."""
+        self._per_step = _checked(backward_passes_per_step)
+
+    def set_loss_scale(self, scale: float) -> None:
+        self._loss_scale = scale
+
+    @contextmanager
+    def in_step(self, microbatches: int) -> Iterator[None]:
+        """smp.step's micro-batches: each backward inside is 1/microbatches of the window's gradient."""
+        self._microbatches = microbatches
+        try:
+            yield
+        finally:
+            self._microbatches = 1
+
+    def begin_backward(self) -> bool:
+        """A backward starts: returns whether it ends the window."""
+        self._length = self._per_step * self._microbatches
+        self._ends = self._done + 1 >= self._length
+        return self._ends
+
+    def end_backward(self) -> None:
+        self._num_backward += 1
+        self._done = 0 if self._ends else self._done + 1
+
+    def reset(self) -> None:
+        """The window's gradients were dropped (zero_grad): the next backward starts a window (one
+        abandoned after an error would otherwise end off the user's count)."""
+        self._done = 0
+
+    # ---- refusals -------------------------------------------------------------------------------
+
+    def check_step(self) -> None:
+        """Refuse a step inside an accumulation window, before anything changes: the main grads are
+        partial sums not yet AllReduced over the replication group, so the replicas would diverge."""
+        done, window, per_step = self._done, self._length, self._per_step
+        if done:
+            micro = f" x {window // per_step} micro-batches" if window > per_step else ""
+            raise ValueError(
+                f"optimizer.step() after {done} of the {window} backward passes of an accumulation window "
+                f"(backward_passes_per_step={per_step}{micro}): the gradients are not reduced over the "
+                f"replication group until the window ends. Call step() after every {window} backward passes, "
+                "or lower backward_passes_per_step"
+            )
+
+    def check_save(self, what: str, lost: str) -> None:
+        """Refuse `what` (a partial save, a resume) inside a window, whose gradients `lost`."""
+        done = self._done
+        if done:  # alike on every rank: they run the same backwards
+            raise ValueError(
+                f"{what} inside an accumulation window: {done} of its {self._length} backward passes have run, and "
+                f"their accumulated gradients {lost} after optimizer.step()"
+            )
+
+
+def _checked(k: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:  # 1.5 would never reach a window's end
+        raise ValueError(f"backward_passes_per_step={k!r} must be an integer >= 1 (backward passes per step)")
+    return k
