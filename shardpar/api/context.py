@@ -101,6 +101,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
             ag_scratch_bytes=cfg.smddp_ag_scratch_buffer_size_bytes,
             ag_sort_bytes=cfg.smddp_ag_sort_buffer_size_bytes,
             device_type=device.type,
+            hierarchical_allgather=cfg.sdp_hierarchical_allgather,
         )
     )
     _STATE = _State(cfg, the_plan, topology, engine, owns, local_rank, local_size, device)

@@ -33,6 +33,7 @@ def make_engine(
     ag_scratch_bytes: int | None = None,
     ag_sort_bytes: int | None = None,
     device_type: str = "cpu",
+    hierarchical_allgather: bool = True,
 ) -> Engine:
     """The engine for a `ddp_dist_backend` value.
 
@@ -40,7 +41,8 @@ def make_engine(
     (native when its C extension is missing, with one warning saying why); "auto" smddp for CPU
     training when the extension is available, else native. Building an smddp engine is collective
     over the world (it agrees on a job key). None options are read from LOCAL_WORLD_SIZE and the
-    SMDDP_AG_* environment variables.
+    SMDDP_AG_* environment variables. `hierarchical_allgather` is `sdp_hierarchical_allgather`: off,
+    the smddp engine gathers over groups spanning nodes natively instead of hierarchically.
     """
     if backend not in ("auto", "nccl", "smddp"):
         raise ValueError(f"ddp_dist_backend={backend!r} is not one of ('auto', 'nccl', 'smddp')")
@@ -59,7 +61,9 @@ def make_engine(
         return native
     from shardpar.collectives.smddp import SmddpEngine, SmddpOptions
 
-    options = SmddpOptions(timeout_s, ranks_per_node, ag_scratch_bytes, ag_sort_bytes)
+    options = SmddpOptions(
+        timeout_s, ranks_per_node, ag_scratch_bytes, ag_sort_bytes, hierarchical_allgather=hierarchical_allgather
+    )
     return SmddpEngine(options=options, native=native)
 
 

@@ -16,7 +16,7 @@ Shapes (n = group.size):
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -124,6 +124,47 @@ class Engine(Protocol):
     def alloc_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A communication buffer owned by the engine (shared memory, registered memory, ...)."""
         ...
+
+
+class _DeferredGather:
+    """`all_gather_after` for an engine that cannot chain: the gather runs inside `wait`."""
+
+    def __init__(self, run: Callable[[float | None], None]) -> None:
+        self._run: Callable[[float | None], None] | None = run
+
+    def wait(self, timeout: float | None = None) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            run(timeout)
+
+    def is_completed(self) -> bool:
+        return self._run is None
+
+
+def all_gather_after(
+    engine: Engine,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    *,
+    after: Work,
+    then: Callable[[], None] | None = None,
+) -> Work:
+    """AllGather `input` once `after` has completed (it writes `input`), then call `then`: started
+    without the caller waiting where the engine can chain (an `all_gather_after` method: the smddp
+    worker, the native engine's chain thread or side stream), otherwise run inside `wait`. The
+    chained steps of one engine run in issue order, so every rank issues them alike."""
+    chain = getattr(engine, "all_gather_after", None)
+    if chain is not None:
+        return chain(output, input, group, after=after, then=then)
+
+    def run(timeout: float | None) -> None:
+        after.wait(timeout)
+        engine.all_gather(output, input, group)
+        if then is not None:
+            then()
+
+    return _DeferredGather(run)
 
 
 def check_gather_shapes(output: torch.Tensor, input: torch.Tensor, group: Group, op: str) -> None:

@@ -1,5 +1,6 @@
 """Hierarchical AllGather for a sharding group that spans nodes (reference 003,
-`sdp_hierarchical_allgather`).
+`sdp_hierarchical_allgather`): the one algorithm, used by the model's units (through whatever engine
+they run on) and by the smddp engine's own spanning gathers (its shm transport as the node step).
 
 Order: across nodes first, then inside each node. Each rank first exchanges its shard with the
 peers at the same position on the other nodes (the only cross-node traffic: its own shard, once per
@@ -8,44 +9,76 @@ node's whole block across the network from every local rank -- L times the cross
 (COLLECTIVES-GROUND.md measured 1.3-3.6x faster for this order).
 
     sharding group (0,4,8,12), 2 ranks a node -> node groups (0,4) (8,12), cross groups (0,8) (4,12)
-    step 1 (cross):  rank 0 gets [s0 s2]      rank 4 gets [s1 s3]
-    step 2 (node):   ranks 0,4 get [[s0 s2] [s1 s3]]   (local-major)
-    permute:         [s0 s1 s2 s3]            (node-major = sharding-group order)
+    step 1 (cross):  rank 0 gets [s0 s2]      rank 4 gets [s1 s3]          -> blocks  (unit / L)
+    step 2 (node):   ranks 0,4 get [[s0 s2] [s1 s3]]   (local-major)        -> staged  (a whole unit)
+    permute:         [s0 s1 s2 s3]            (node-major = sharding-group order) -> output
 
 Results are bit-identical to the flat gather: only copies happen.
+
+# [Note: hierarchical chaining]
+# Step 2 and the permute are chained on step 1 when the gather is issued (`all_gather_after`: the
+# smddp worker, the native engine's chain thread, or a side stream on CUDA), so an async gather --
+# a prefetch -- completes while the caller computes; `wait` only waits. Both scratch buffers (blocks
+# and staged, `scratch_numel`) are reported through `on_scratch` when allocated and released in
+# `wait`, so the live-parameter cap counts them (they may be freed a little earlier, never later).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from shardpar.collectives.base import Engine, Group, Work, check_gather_shapes
+from shardpar.collectives.base import Engine, Group, Work, all_gather_after, check_gather_shapes
+
+# (staged, blocks, after, then): gather `blocks` inside the node into `staged` once `after` has
+# completed, then call `then`; returns at once, in issue order with the engine's other calls.
+NodeStep = Callable[[torch.Tensor, torch.Tensor, Work, Callable[[], None]], Work]
+
+
+@dataclass(frozen=True)
+class HierarchicalSteps:
+    """How an engine runs the two steps. `cross(blocks, input)` starts the cross-node exchange."""
+
+    cross: Callable[[torch.Tensor, torch.Tensor], Work]
+    node: NodeStep
+
+
+def engine_steps(engine: Engine, node: Group, cross: Group) -> HierarchicalSteps:
+    """Both steps as ordinary engine calls over the two groups (each counted by a CountingEngine)."""
+    return HierarchicalSteps(
+        cross=lambda blocks, input: engine.all_gather(blocks, input, cross, async_op=True),
+        node=lambda staged, blocks, after, then: all_gather_after(engine, staged, blocks, node, after=after, then=then),
+    )
+
+
+def scratch_numel(numel: int, num_local: int) -> int:
+    """Elements a hierarchical gather of `numel` output elements holds besides its output: the
+    cross-node blocks (numel / num_local) and the node-local staging buffer (numel). Zero when the
+    node step has one rank (the blocks are the output)."""
+    return 0 if num_local == 1 else numel + numel // num_local
 
 
 class HierarchicalGatherWork:
-    """Step 1 runs asynchronously; `wait` finishes it, runs step 2 and puts blocks in place."""
+    """The chained steps; `wait` waits for the last one and releases the scratch count."""
 
-    def __init__(
-        self, engine: Engine, output: torch.Tensor, cross_out: torch.Tensor, cross_work: Work, node: Group, cross: Group
-    ) -> None:
-        self._engine, self._output, self._cross_out, self._cross_work = engine, output, cross_out, cross_work
-        self._node, self._cross = node, cross
-        self._done = False
+    def __init__(self, last: Work, on_scratch: Callable[[int], None] | None, scratch: int) -> None:
+        self._last, self._on_scratch, self._scratch = last, on_scratch, scratch
 
     def wait(self, timeout: float | None = None) -> None:
-        if self._done:
-            return
-        self._cross_work.wait(timeout)
-        num_local, num_nodes = self._node.size, self._cross.size
-        staged = torch.empty_like(self._output)
-        self._engine.all_gather(staged, self._cross_out, self._node)
-        shard = self._output.numel() // (num_local * num_nodes)
-        # staged is [local][node][shard]; the sharding group's order is [node][local][shard].
-        self._output.view(num_nodes, num_local, shard).copy_(staged.view(num_local, num_nodes, shard).transpose(0, 1))
-        self._done = True
+        try:
+            self._last.wait(timeout)
+        finally:
+            self._release()
 
     def is_completed(self) -> bool:
-        return self._done
+        return self._last.is_completed()
+
+    def _release(self) -> None:
+        if self._scratch and self._on_scratch is not None:
+            self._on_scratch(-self._scratch)
+        self._scratch = 0
 
 
 def hierarchical_all_gather(
@@ -57,15 +90,31 @@ def hierarchical_all_gather(
     node: Group,
     cross: Group,
     async_op: bool = False,
+    steps: HierarchicalSteps | None = None,
+    on_scratch: Callable[[int], None] | None = None,
 ) -> Work:
-    """AllGather over `sharding` as cross-node exchange then intra-node gather."""
+    """AllGather over `sharding` as cross-node exchange then intra-node gather ([Note: hierarchical
+    chaining]). `steps` defaults to plain engine calls over `node` and `cross`; `on_scratch(+/-n)`
+    hears of the scratch elements held."""
     check_gather_shapes(output, input, sharding, "all_gather")
     if node.size * cross.size != sharding.size:
         raise AssertionError(f"node {node.ranks} x cross {cross.ranks} do not tile sharding {sharding.ranks}")
-    cross_out = torch.empty(input.numel() * cross.size, dtype=input.dtype, device=input.device)
-    work = HierarchicalGatherWork(
-        engine, output, cross_out, engine.all_gather(cross_out, input, cross, async_op=True), node, cross
-    )
+    steps = steps or engine_steps(engine, node, cross)
+    if node.size == 1:  # one rank a node: the cross-node blocks are the sharding group's order
+        work = steps.cross(output, input)
+    else:
+        num_local, num_nodes, shard = node.size, cross.size, input.numel()
+        blocks = torch.empty(shard * num_nodes, dtype=input.dtype, device=input.device)
+        staged = torch.empty_like(output)
+        if on_scratch is not None:
+            on_scratch(blocks.numel() + staged.numel())
+
+        def permute() -> None:
+            # staged is [local][node][shard]; the sharding group's order is [node][local][shard].
+            output.view(num_nodes, num_local, shard).copy_(staged.view(num_local, num_nodes, shard).transpose(0, 1))
+
+        last = steps.node(staged, blocks, steps.cross(blocks, input), permute)
+        work = HierarchicalGatherWork(last, on_scratch, blocks.numel() + staged.numel())
     if not async_op:
         work.wait()
     return work

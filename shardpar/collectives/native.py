@@ -6,7 +6,10 @@ Raw torch.distributed calls live here and in topology.py only (DESIGN.md section
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -80,6 +83,48 @@ class _AllOf:
         return all(work.is_completed() for work in self._works)
 
 
+class _ChainWork:
+    """A step on the native engine's chain thread. Inside it every collective already carries the
+    engine's timeout; the default deadline here (twice that, plus 10 s) is the backstop."""
+
+    def __init__(self, future: Future[None], timeout_s: float, group: Group) -> None:
+        self._future, self._timeout_s, self._group = future, timeout_s, group
+
+    def wait(self, timeout: float | None = None) -> None:
+        seconds = 2 * self._timeout_s + 10 if timeout is None else timeout
+        try:
+            self._future.result(timeout=seconds)
+        except FutureTimeout:
+            raise TimeoutError(
+                f"chained all_gather on {self._group.kind} group {list(self._group.ranks)} did not finish "
+                f"within {seconds:g} s of waiting for it (collective_timeout_s={self._timeout_s:g}); look for "
+                "an earlier error on another rank"
+            ) from None
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class _EventWork:
+    """Chained steps on a CUDA side stream: waiting makes the current stream wait on their end."""
+
+    def __init__(self, event: Any, timeout_s: float) -> None:
+        self._event, self._timeout_s = event, timeout_s
+
+    def wait(self, timeout: float | None = None) -> None:
+        if timeout is None:
+            torch.cuda.current_stream().wait_event(self._event)  # see [Note: waits on the device]
+            return
+        deadline = time.monotonic() + timeout
+        while not self._event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"chained all_gather did not finish on the device within {timeout:g} s")
+            time.sleep(0.001)
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())
+
+
 class NativeEngine:
     """The torch.distributed engine. `timeout_s` bounds every wait: a dead peer becomes an error."""
 
@@ -87,6 +132,8 @@ class NativeEngine:
 
     def __init__(self, *, timeout_s: float = 300.0) -> None:
         self.timeout_s = timeout_s
+        self._chain: ThreadPoolExecutor | None = None  # made at the first CPU all_gather_after
+        self._side_stream: Any = None  # made at the first CUDA all_gather_after
 
     def _run(self, group: Group, launch: Any, async_op: bool, finish: Any = None, *, on: torch.Tensor) -> Work:
         """Launch a collective on the tensor `on`; a CUDA one is waited for on the device."""
@@ -128,6 +175,52 @@ class NativeEngine:
                 ops.append(dist.P2POp(dist.isend, input, peer, group=group.handle))
                 ops.append(dist.P2POp(dist.irecv, blocks[index], peer, group=group.handle))
         return self._run(group, lambda: _AllOf(dist.batch_isend_irecv(ops)), async_op, on=output)
+
+    def all_gather_after(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Group,
+        *,
+        after: Work,
+        then: Callable[[], None] | None = None,
+    ) -> Work:
+        """`all_gather` once `after` completed, then `then`, without the caller waiting
+        ([Note: hierarchical chaining] in hierarchical.py). On CPU the steps run on one chain thread
+        in issue order, so every rank issues its chained gathers alike; on CUDA they are queued on a
+        side stream that waits for the caller's stream, off the compute stream."""
+        check_gather_shapes(output, input, group, "all_gather")
+        if output.is_cuda:
+            return self._chain_on_stream(output, input, group, after, then)
+
+        def step() -> None:
+            after.wait()
+            self.all_gather(output, input, group)
+            if then is not None:
+                then()
+
+        if self._chain is None:
+            self._chain = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpar-chain")
+        return _ChainWork(self._chain.submit(step), self.timeout_s, group)
+
+    def _chain_on_stream(
+        self, output: torch.Tensor, input: torch.Tensor, group: Group, after: Work, then: Callable[[], None] | None
+    ) -> Work:
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=output.device)
+        stream = self._side_stream
+        stream.wait_stream(torch.cuda.current_stream(output.device))
+        with torch.cuda.stream(stream):
+            after.wait()  # device-side: the side stream waits for the first step
+            self.all_gather(output, input, group, async_op=True).wait()
+            if then is not None:
+                then()
+            event = torch.cuda.Event()
+            event.record(stream)
+        # Made on the caller's stream, used on the side stream: not reused before the side stream is done.
+        output.record_stream(stream)
+        input.record_stream(stream)
+        return _EventWork(event, self.timeout_s)
 
     def reduce_scatter(
         self,

@@ -3,8 +3,10 @@
 Routing, decided per call (DESIGN.md section 1, reference 003 for the two buffer knobs):
 
     group on one node, CPU tensors, shm dtype   -> ShmComm of that group (shardpar/collectives/shm.py)
-    all_gather over a group spanning nodes      -> hierarchical: native cross-node exchange among
-                                                   same-local-position peers, then shm inside the node
+    all_gather over a group spanning nodes      -> hierarchical (collectives/hierarchical.py): native
+                                                   cross-node mesh among same-local-position peers,
+                                                   then shm inside the node; native ("hierarchical_off")
+                                                   when sdp_hierarchical_allgather is off
     AllGather input > SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES               -> native ("scratch")
     SMDDP_AG_SORT_BUFFER_SIZE_BYTES < group size * input / 8 (spanning) -> native ("sort")
     anything else (CUDA, float64 reductions, uneven node split, ...)   -> native, counted by reason
@@ -18,7 +20,7 @@ counts every call by (op, route) so a test can pin where the bytes went.
 # caller when nothing is queued (the order is the same, without the thread hand-off). Native steps are
 # issued on the calling thread at call time, exactly like NativeEngine, so their order relative to any other
 # torch.distributed call of the program is unchanged. The shm half of a hierarchical gather is queued
-# on the worker and waits there for its native half.
+# on the worker when the gather is issued and waits there for its native half (`all_gather_after`).
 #
 # Communicators are created lazily by the worker at the first shm call on a rank set: that call is
 # itself collective over the set, so every member reaches the creation at the same point of its
@@ -53,6 +55,7 @@ from shardpar.collectives.base import (
     check_spans,
     pack_spans,
 )
+from shardpar.collectives.hierarchical import HierarchicalSteps, hierarchical_all_gather
 from shardpar.collectives.native import NativeEngine
 
 _REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,13 +71,15 @@ class SmddpOptions:
     ranks_per_node: int | None = None
     ag_scratch_bytes: int | None = None
     ag_sort_bytes: int | None = None
+    # sdp_hierarchical_allgather: off, a gather over a group spanning nodes goes native ("hierarchical_off").
+    hierarchical_allgather: bool = True
 
     def resolved(self, world: int) -> SmddpOptions:
         env = os.environ
         rpn = self.ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", world) or world)
         scratch = self.ag_scratch_bytes or int(env.get("SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES", DEFAULT_AG_SCRATCH_BYTES))
         sort = self.ag_sort_bytes or int(env.get("SMDDP_AG_SORT_BUFFER_SIZE_BYTES", DEFAULT_AG_SORT_BYTES))
-        return SmddpOptions(self.timeout_s, rpn, scratch, sort)
+        return SmddpOptions(self.timeout_s, rpn, scratch, sort, self.hierarchical_allgather)
 
 
 class SmddpWork:
@@ -163,6 +168,8 @@ class SmddpEngine:
             return "native:scratch"
         if self._one_node(group):
             return "shm"
+        if not self.options.hierarchical_allgather:
+            return "native:hierarchical_off"
         if (self.options.ag_sort_bytes or 0) * 8 < group.size * nbytes:
             return "native:sort"
         return "hierarchical" if _split_by_node(group.ranks, self.ranks_per_node) else "native:uneven_nodes"
@@ -316,9 +323,36 @@ class SmddpEngine:
 
     # ---- hierarchical AllGather ------------------------------------------------------------------
 
+    def all_gather_after(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Group,
+        *,
+        after: Work,
+        then: Callable[[], None] | None = None,
+    ) -> Work:
+        """`all_gather` once `after` completed, then `then`, queued on the worker now (in issue order,
+        [Note: smddp ordering]) so it runs without the caller waiting; native routes chain there."""
+        check_gather_shapes(output, input, group, "all_gather")
+        route = self._count("all_gather", self.route("all_gather", input, group))
+        if route not in ("shm", "local"):
+            return self.native.all_gather_after(output, input, group, after=after, then=then)
+
+        def step() -> None:
+            after.wait()
+            if route == "local":
+                output.copy_(input)
+            else:
+                self._comm(group.ranks).all_gather(output, input)
+            if then is not None:
+                then()
+
+        return self._submit(step, True, "all_gather", group)
+
     def _hierarchical_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool) -> Work:
-        """Across nodes first, then inside the node (the order of collectives/hierarchical.py, which
-        moves each shard across nodes once; COLLECTIVES-GROUND.md measured it 1.3-3.6x faster)."""
+        """collectives/hierarchical.py's algorithm, with a one-hop mesh across nodes and the shm
+        transport inside the node (its node step, queued on the worker behind the mesh)."""
         split = _split_by_node(group.ranks, self.ranks_per_node)
         if split is None:
             raise AssertionError(f"hierarchical gather over uneven group {group.ranks}")
@@ -327,18 +361,23 @@ class SmddpEngine:
         # Point-to-point over the group's own process group: no sub-group to create, and each shard
         # goes straight to its peers on the other nodes (one hop, reference 000's mesh).
         cross = Group(f"{group.kind}_cross", cross_ranks, group.handle)
-        cross_out = torch.empty(input.numel() * len(cross_ranks), dtype=input.dtype)
-        cross_work = self.native.all_gather_mesh(cross_out, input, cross, async_op=True)
-        num_nodes, num_local, shard = len(cross_ranks), len(node_ranks), input.numel()
+        node = Group(f"{group.kind}_node", node_ranks)
 
-        def node_step() -> None:
-            cross_work.wait()
-            staged = torch.empty_like(output)
-            self._comm(node_ranks).all_gather(staged, cross_out)
-            # staged is [local][node][shard]; the group's order is [node][local][shard].
-            output.view(num_nodes, num_local, shard).copy_(staged.view(num_local, num_nodes, shard).transpose(0, 1))
+        def node_step(staged: torch.Tensor, blocks: torch.Tensor, after: Work, then: Callable[[], None]) -> Work:
+            def step() -> None:
+                after.wait()
+                self._comm(node_ranks).all_gather(staged, blocks)
+                then()
 
-        return self._submit(node_step, async_op, "hierarchical all_gather", group)
+            return self._submit(step, True, "hierarchical all_gather", group)
+
+        steps = HierarchicalSteps(
+            cross=lambda blocks, shard: self.native.all_gather_mesh(blocks, shard, cross, async_op=True),
+            node=node_step,
+        )
+        return hierarchical_all_gather(
+            self, output, input, sharding=group, node=node, cross=cross, async_op=async_op, steps=steps
+        )
 
 
 def _split_by_node(ranks: tuple[int, ...], rpn: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]] | None:

@@ -12,12 +12,12 @@ schedule of one training step.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from shardpar.collectives.base import Engine, Group, ReduceOp, Span, Work
+from shardpar.collectives.base import Engine, Group, ReduceOp, Span, Work, all_gather_after
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,19 @@ class CountingEngine:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False) -> Work:
         self._rec("all_gather", group, output, async_op, routed=input)
         return self.inner.all_gather(output, input, group, async_op=async_op)
+
+    def all_gather_after(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Group,
+        *,
+        after: Work,
+        then: Callable[[], None] | None = None,
+    ) -> Work:
+        """Recorded when issued (as an async all_gather), whenever the inner engine runs it."""
+        self._rec("all_gather", group, output, True, routed=input)
+        return all_gather_after(self.inner, output, input, group, after=after, then=then)
 
     def reduce_scatter(
         self,

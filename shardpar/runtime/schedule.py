@@ -14,7 +14,8 @@ reduced, a borrowing call's backward is done, the backward or the step ended -- 
 is gathered and what is freed ([Note: holders] in unit.py).
 
 [Note: live cap]
-Unsharded elements (gathered or in flight) never exceed `sdp_max_live_parameters`:
+Unsharded elements (gathered or in flight) never exceed `sdp_max_live_parameters`; a hierarchical
+gather's scratch buffers count too while they are held ([Note: hierarchical chaining]):
   * a prefetch is issued only if it fits;
   * a required gather first evicts prefetched-only units; if the units that must be alive at once
     (the root, which stays gathered through forward, plus the current unit and its borrowed units)
@@ -146,8 +147,9 @@ class Scheduler:
     # ---- the cap --------------------------------------------------------------------------------
 
     def _size_if_gathered(self, unit: Unit) -> int:
-        todo = [unit, *unit.deps]
-        return sum(u.layout.padded_numel for u in todo if u.state is UnitState.SHARDED)
+        """Elements gathering `unit` (and its borrowed units) adds, with a hierarchical gather's scratch."""
+        todo = [u for u in (unit, *unit.deps) if u.state is UnitState.SHARDED]
+        return sum(u.layout.padded_numel + u.comm.gather_scratch(u.layout.padded_numel) for u in todo)
 
     def _make_room(self, unit: Unit) -> None:
         need = self._size_if_gathered(unit)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from shardpar.collectives import Engine, Group, ReduceOp, Span, Work
-from shardpar.collectives.hierarchical import hierarchical_all_gather
+from shardpar.collectives.hierarchical import hierarchical_all_gather, scratch_numel
 from shardpar.precision import DtypePolicy
 from shardpar.sharding.layout import FlatLayout, ParamSlice
 
@@ -88,8 +88,13 @@ class UnitComm:
     cross: Group | None = None
     on_live_change: Callable[[Unit, int], None] | None = None  # (unit, +/- elements)
 
-    def gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool) -> Work:
+    def gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, unit: Unit | None = None) -> Work:
+        """AllGather `shard` into `output`; a hierarchical gather reports its scratch buffers for `unit`
+        through `on_live_change` while it holds them ([Note: hierarchical chaining])."""
         if self.node is not None and self.cross is not None:
+            on_live, on_scratch = self.on_live_change, None
+            if on_live is not None and unit is not None:
+                on_scratch = lambda delta: on_live(unit, delta)  # noqa: E731
             return hierarchical_all_gather(
                 self.engine,
                 output,
@@ -98,8 +103,13 @@ class UnitComm:
                 node=self.node,
                 cross=self.cross,
                 async_op=async_op,
+                on_scratch=on_scratch,
             )
         return self.engine.all_gather(output, shard, self.sharding, async_op=async_op)
+
+    def gather_scratch(self, numel: int) -> int:
+        """Elements `gather` holds besides an output of `numel` while it runs (the live cap counts them)."""
+        return 0 if self.node is None or self.cross is None else scratch_numel(numel, self.node.size)
 
 
 class Unit:
@@ -202,7 +212,7 @@ class Unit:
                 self.state = UnitState.UNSHARDED
             else:
                 full = self.comm.engine.alloc_buffer(self.layout.padded_numel, self.compute_dtype, self.device)
-                self._gather_work = self.comm.gather(full, self.compute_shard(), async_op=True)
+                self._gather_work = self.comm.gather(full, self.compute_shard(), async_op=True, unit=self)
                 self._full = full
                 self.state = UnitState.UNSHARDING
             if self.comm.on_live_change is not None:

@@ -7,6 +7,7 @@ within the rounding of the dtype (gloo adds bf16/fp16 in the dtype itself, one r
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 import shardpar.api.context as api
-from shardpar.collectives import Engine, Group, NativeEngine, ReduceOp, Span, make_engine
+from shardpar.collectives import CountingEngine, Engine, Group, NativeEngine, ReduceOp, Span, Work, make_engine
+from shardpar.collectives.hierarchical import hierarchical_all_gather
 from tests.multiproc.parity import run_parity
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -93,6 +95,72 @@ def check_sort_buffer_and_auto() -> dict[str, object]:
     auto_name = type(auto).__name__
     getattr(auto, "close", lambda: None)()
     return {"exact": exact, "routes": routes, "auto": auto_name, "strided": (strided_ok, strided_routes)}
+
+
+def _done_before_wait(work: Work, out: torch.Tensor, want: torch.Tensor) -> tuple[bool, bool]:
+    """Poll an async gather without waiting for it (30 s at most): (reported complete, output exact),
+    both seen before `wait`; then wait, bounded, so the case cannot hang."""
+    deadline = time.monotonic() + 30
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    seen = (work.is_completed(), torch.equal(out.view(torch.int32), want.view(torch.int32)))
+    work.wait(timeout=30)
+    return seen
+
+
+def check_hierarchical_progress_and_knob() -> dict[str, object]:
+    """World 4 as 2 nodes of 2, sharding group (0, 1, 2, 3). An async hierarchical gather finishes --
+    cross-node step, node step and permute -- without its `wait` (issue 18 item 4): the smddp engine's
+    own route, and hierarchical_all_gather over the native engine and over the smddp engine counted
+    by a CountingEngine (the model's path). Then sdp_hierarchical_allgather off (item 2): the smddp
+    engine routes the same gather natively, with the same blocks."""
+    rank = dist.get_rank()
+    sharding = Group("sharding", (0, 1, 2, 3), dist.group.WORLD)
+    pgs = {ranks: dist.new_group(list(ranks)) for ranks in ((0, 1), (2, 3), (0, 2), (1, 3))}
+    node_ranks, cross_ranks = (0, 1) if rank < 2 else (2, 3), (0, 2) if rank % 2 == 0 else (1, 3)
+    node = Group("sharding_node", node_ranks, pgs[node_ranks])
+    cross = Group("sharding_cross", cross_ranks, pgs[cross_ranks])
+    numel = 1001
+    mine = _input(rank, numel, torch.float32, 9)
+    want = torch.cat([_input(r, numel, torch.float32, 9) for r in sharding.ranks])
+    smddp = make_engine("smddp", timeout_s=60, ranks_per_node=2)
+    counting = CountingEngine(smddp)
+    seen: dict[str, tuple[bool, bool]] = {}
+    for name, start in (
+        ("smddp", lambda out: smddp.all_gather(out, mine, sharding, async_op=True)),
+        (
+            "native",
+            lambda out: hierarchical_all_gather(
+                NativeEngine(timeout_s=60), out, mine, sharding=sharding, node=node, cross=cross, async_op=True
+            ),
+        ),
+        (
+            "counting smddp",
+            lambda out: hierarchical_all_gather(
+                counting, out, mine, sharding=sharding, node=node, cross=cross, async_op=True
+            ),
+        ),
+    ):
+        out = torch.full((4 * numel,), 3.0)
+        seen[name] = _done_before_wait(start(out), out, want)
+    records = [(r.op, r.group, r.bytes) for r in counting.stats.current]
+    routes_on = dict(getattr(smddp, "routes", {}))
+    getattr(smddp, "close", lambda: None)()
+    flat = make_engine("smddp", timeout_s=60, ranks_per_node=2, hierarchical_allgather=False)
+    route_off = getattr(flat, "route", lambda *a: "")("all_gather", mine, sharding)
+    out = torch.full((4 * numel,), 3.0)
+    flat.all_gather(out, mine, sharding)
+    exact_off = torch.equal(out, want)
+    routes_off = dict(getattr(flat, "routes", {}))
+    getattr(flat, "close", lambda: None)()
+    return {
+        "seen": seen,
+        "records": records,
+        "routes_on": routes_on,
+        "route_off": route_off,
+        "exact_off": exact_off,
+        "routes_off": routes_off,
+    }
 
 
 def check_engine_agreement() -> dict[str, object]:

@@ -29,7 +29,7 @@ def live_cap_case(cap_units: float) -> dict[str, Any]:
     return {**capped, "cap": cap, "root_plus_one_block": one_block, "uncapped_max_live": uncapped["max_live"]}
 
 
-def _traced_run(knobs: dict[str, Any]) -> dict[str, Any]:
+def _traced_run(knobs: dict[str, Any], *, keep_trace: bool = False) -> dict[str, Any]:
     smp.init(knobs)
     try:
         torch.manual_seed(0)
@@ -44,12 +44,19 @@ def _traced_run(knobs: dict[str, Any]) -> dict[str, Any]:
                 opt.step()
                 opt.zero_grad()
         trace = model.live.trace or []
-        return {
+        out = {
             "max_live": max(live for _, _, live in trace),
             "gathers": sum(1 for _, delta, _ in trace if delta > 0),
             "warnings": [str(w.message) for w in caught if "sdp_max_live_parameters" in str(w.message)],
             "final_live": model.live.live,
         }
+        if keep_trace:
+            engine = getattr(smp.get_engine(), "inner", None)
+            out["trace"] = list(trace)
+            out["units"] = {u.name: u.layout.padded_numel for u in model.units}
+            out["hierarchical_units"] = [u.name for u in model.units if u.comm.node is not None]
+            out["gather_routes"] = {k[1]: v for k, v in getattr(engine, "routes", {}).items() if k[0] == "all_gather"}
+        return out
     finally:
         smp.shutdown()
 
@@ -101,6 +108,33 @@ def hierarchical_case() -> dict[str, Any]:
     out["gather_groups"] = groups
     out["uses_hierarchy"] = model.units[0].comm.node is not None
     return out
+
+
+def hierarchical_live_case() -> dict[str, Any]:
+    """world 4 as 2 'nodes' x 2 ranks, sdp 4 (issue 18 item 3): every hierarchical gather's scratch
+    (cross-node blocks + staging buffer) shows in the live trace, and the cap holds with it counted.
+    Then sdp_hierarchical_allgather off (item 2): the units gather flat and the smddp engine routes
+    those gathers natively, never hierarchically."""
+    from shardpar.collectives.hierarchical import scratch_numel
+
+    probe = models.UnevenMLP()
+    root = sum(p.numel() for n, p in probe.named_parameters() if not n.startswith("blocks") and p.numel() >= 10)
+    block = sum(p.numel() for p in probe.blocks[0].parameters() if p.numel() >= 10)
+    pad = lambda n: -(-n // 4) * 4  # noqa: E731
+    one_block = pad(root) + pad(block) + scratch_numel(pad(block), 2)  # root, and a block while it gathers
+    cap = int(1.6 * one_block)
+    hier = {**SHARD, "sharded_data_parallel_degree": 4, "ranks_per_node": 2}
+    capped = _traced_run({**hier, "sdp_max_live_parameters": cap}, keep_trace=True)
+    uncapped = _traced_run({**hier, "sdp_max_live_parameters": 10**12})
+    off = _traced_run({**hier, "sdp_hierarchical_allgather": False}, keep_trace=True)
+    return {
+        "capped": capped,
+        "uncapped_max_live": uncapped["max_live"],
+        "off": off,
+        "cap": cap,
+        "one_block": one_block,
+        "scratch": {n: scratch_numel(n, 2) for n in (pad(root), pad(block))},
+    }
 
 
 def comm_stats_case(world_replicas: int) -> dict[str, Any]:

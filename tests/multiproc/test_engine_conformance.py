@@ -8,6 +8,7 @@ from shardpar.collectives import shm
 from tests.multiproc.engine_conformance_cases import (
     check_engine,
     check_engine_agreement,
+    check_hierarchical_progress_and_knob,
     check_smddp_across_nodes,
     check_sort_buffer_and_auto,
     parity_with_engine_stats,
@@ -53,6 +54,27 @@ def test_sort_buffer_rule_and_auto_engine(ranks) -> None:
         assert res["auto"] == "SmddpEngine", res
         layout = {("broadcast", "native:layout"): 1, ("all_reduce", "native:layout"): 1}
         assert res["strided"] == (True, layout), res
+
+
+@pytest.mark.skipif(not SHM_OK, reason=SHM_WHY)
+def test_hierarchical_gather_progresses_without_wait_and_the_knob_turns_it_off(ranks) -> None:
+    """Issue 18 items 4 and 2: the node step of an async hierarchical gather is chained on the
+    cross-node step, so the output is complete before `wait`; the CountingEngine still records the two
+    steps (issued at once, in order); sdp_hierarchical_allgather off routes the spanning gather natively."""
+    for rank, res in enumerate(ranks.run(4, check_hierarchical_progress_and_knob, timeout=180)):
+        for path, (completed, exact) in res["seen"].items():
+            assert completed and exact, (rank, path, res["seen"])
+        fp32 = 4
+        assert res["records"] == [
+            ("all_gather", "sharding_cross", 2 * 1001 * fp32),
+            ("all_gather", "sharding_node", 4 * 1001 * fp32),
+        ], (rank, res)
+        # the smddp engine's own gather over (0,1,2,3), then the model path's cross step (one rank a
+        # node: the mesh alone) and its node step (shm)
+        assert res["routes_on"] == {("all_gather", "hierarchical"): 2, ("all_gather", "shm"): 1}, (rank, res)
+        assert res["route_off"] == "native:hierarchical_off", (rank, res)
+        assert res["exact_off"], (rank, res)
+        assert res["routes_off"] == {("all_gather", "native:hierarchical_off"): 1}, (rank, res)
 
 
 @pytest.mark.skipif(not SHM_OK, reason=SHM_WHY)

@@ -53,6 +53,29 @@ def test_hierarchical_allgather_bit_identical(ranks) -> None:
         assert r["gather_groups"] == ["sharding_cross", "sharding_node"]
 
 
+def test_hierarchical_scratch_counts_against_the_live_cap(ranks) -> None:
+    """Issue 18 item 3: each hierarchical gather reports its scratch (+ when allocated, - when
+    released) beside the unit's own elements, the scheduler counts it before gathering, and the cap
+    holds; item 2: with sdp_hierarchical_allgather off nothing gathers hierarchically anywhere."""
+    for r in ranks.run(4, cases.hierarchical_live_case):
+        capped, off = r["capped"], r["off"]
+        assert sorted(capped["hierarchical_units"]) == sorted(capped["units"]), r
+        for name, numel in capped["units"].items():
+            ups = {delta for unit, delta, _ in capped["trace"] if unit == name and delta > 0}
+            assert ups == {numel, r["scratch"][numel]}, (name, numel, ups)
+            downs = sorted(-delta for unit, delta, _ in capped["trace"] if unit == name and delta < 0)
+            assert sorted(delta for unit, delta, _ in capped["trace"] if unit == name and delta > 0) == downs
+        assert capped["final_live"] == 0 and not capped["warnings"], capped["warnings"]
+        assert capped["max_live"] <= r["cap"], (capped["max_live"], r["cap"])
+        assert capped["max_live"] > r["one_block"], "prefetch still runs under the cap"
+        assert r["uncapped_max_live"] > r["cap"], f"the cap never bound, so this test proves nothing: {r}"
+        # knob off: flat gathers, no scratch, and the engine never takes its hierarchical route
+        assert off["hierarchical_units"] == [], off
+        assert {delta for _, delta, _ in off["trace"] if delta > 0} == set(off["units"].values()) - {0}
+        assert off["gather_routes"].get("hierarchical", 0) == 0, off["gather_routes"]
+        assert off["gather_routes"].get("native:hierarchical_off", 0) > 0, off["gather_routes"]
+
+
 def test_comm_stats_equal_analytical_mics_volume(ranks) -> None:
     res = ranks.run(4, cases.comm_stats_case, 2)[0]
     units = res["units"]
