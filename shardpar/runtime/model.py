@@ -27,6 +27,7 @@ from shardpar.runtime.materialize import Materializer, check_nothing_materialise
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer, plan_buckets
 from shardpar.runtime.schedule import LiveCounter, Scheduler
+from shardpar.runtime.state import ShardedState
 from shardpar.runtime.state_dict import full_state_dict, load_full_state_dict
 from shardpar.runtime.unit import Unit, UnitComm, UnitState
 from shardpar.runtime.unit_backward import after_backward_of_call, late_gradient
@@ -108,6 +109,9 @@ class DistributedModel(nn.Module):
             self.policy.reduce,
             self.device,
             plan_buckets(self.units, config.sdp_reduce_bucket_size),
+        )
+        self.sharded_state = ShardedState(
+            self.units, self.persistent, engine=engine, topology=topology, device=self.device
         )
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         self._link_dependencies(plans, registered or {})
@@ -293,9 +297,7 @@ class DistributedModel(nn.Module):
         self.unused_params = {id(p) for p, seen in zip(params, agreed, strict=True) if seen == 0.0}
 
     def reset_grad_usage(self) -> None:
-        holders: list[Unit | PersistentParams] = [*self.units, self.persistent]
-        for holder in holders:
-            holder.grad_used = [False] * len(holder.params)
+        self.sharded_state.reset_grad_usage()
 
     def end_step(self) -> None:
         """Called by the optimizer after each step: closes the step in the communication records, and
@@ -362,22 +364,16 @@ class DistributedModel(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """Full tensors under the unwrapped model's keys (gathered unit by unit)."""
-        return full_state_dict(self)
+        return full_state_dict(self.sharded_state, self.module)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load full tensors (as returned by `state_dict`) into the shards and persistent params; a
         missing key (strict) or a tensor of another shape raises before anything is written."""
-        return load_full_state_dict(self, state_dict, strict)
+        return load_full_state_dict(self.sharded_state, self.module, state_dict, strict)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every sharded parameter (1-D) and every persistent parameter."""
-        out: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            for sl in unit.slices:
-                out[sl.spec.fqn] = unit.main_shard[sl.local].detach().clone()
-        for i, (name, _) in enumerate(self.persistent.named):
-            out[name] = self.persistent.main_view(i).detach().clone()
-        return out
+        return self.sharded_state.local_state_dict()
 
     def live_elements(self) -> int:
         """Unsharded elements alive right now."""
