@@ -13,6 +13,7 @@ in unit.py for how shared parameters stay alive.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -355,20 +356,53 @@ class DistributedModel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            # Not self._modules["module"]: before __init__ sets it, or after `del model.module`, a
+            # KeyError would escape hasattr().
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """Full tensors under the unwrapped model's keys (gathered unit by unit)."""
-        return full_state_dict(self.sharded_state, self.module)
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """Full tensors under the unwrapped model's keys (gathered unit by unit), each after `prefix`;
+        written into `destination` when given, as nn.Module does when this model is another's child.
+        With `keep_vars` buffers are the module's own tensors; parameters are full fp32 copies
+        whatever `keep_vars` says (a sharded parameter has no full tensor to hand out)."""
+        if len(args) > 3:
+            raise TypeError(f"state_dict() takes at most 3 positional arguments ({len(args)} given)")
+        # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
+        destination = args[0] if len(args) > 0 else destination
+        prefix = args[1] if len(args) > 1 else prefix
+        keep_vars = args[2] if len(args) > 2 else keep_vars
+        full = full_state_dict(self.sharded_state, self.module, keep_vars=keep_vars)
+        if destination is None and not prefix:
+            return full
+        out: dict[str, Any] = OrderedDict() if destination is None else destination
+        for key, value in full.items():
+            out[prefix + key] = value
+        metadata = getattr(out, "_metadata", None)
+        if metadata is not None:  # a parent's state_dict: the versions its load_state_dict reads
+            metadata.update(getattr(self.module.state_dict(prefix=prefix, keep_vars=True), "_metadata", {}))
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load full tensors (as returned by `state_dict`) into the shards and persistent params; a
-        missing key (strict) or a tensor of another shape raises before anything is written."""
+        missing key (strict) or a tensor of another shape raises before anything is written.
+
+        `assign=True` raises ValueError: the parameters are views of their unit's shards, so the
+        values are always copied in, never adopted."""
+        if assign:
+            raise ValueError(
+                "load_state_dict(assign=True) is not supported by a DistributedModel: its parameters are "
+                "views of the sharded fp32 main copy, so the values are copied in, not adopted; pass assign=False"
+            )
         return load_full_state_dict(self.sharded_state, self.module, state_dict, strict)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
