@@ -10,6 +10,7 @@ keep working on the same optimizer object. Persistent parameters are stepped as 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from shardpar.optim.loss_scaling import LossScaler, ScalerResume, StaticLossScal
 from shardpar.precision import precision_name
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.state import Piece
-from shardpar.tensor_parallel.layers import tp_split_table
+from shardpar.tensor_parallel.split import TPSplit
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -37,11 +38,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         *,
         clip_norm: float,
         loss_scaler: LossScaler | None = None,
+        tp_splits: Mapping[str, TPSplit] | None = None,
     ) -> None:
+        """`tp_splits`: the model's TP-split parameters by name (tensor_parallel.tp_split_table), passed
+        in by the caller under tensor parallelism; None or empty without it."""
         self.optimizer = optimizer
         self.model = model
         self.sharded_state = model.sharded_state
         self.clip_norm = clip_norm
+        self.tp_splits = tp_splits
         self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler(1.0)
         self.overflow = False
         model.loss_scale = self.loss_scaler.loss_scale
@@ -94,8 +99,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         A tensor-parallel model sums its TP-split grads over the TP group too and counts TP-replicated
         ones once (shardpar/optim/grad_norm.py).
         """
-        splits = tp_split_table(self.model.module) if self.model.topology.tp.size > 1 else None
-        return grad_norm_squared(self.sharded_state, splits)
+        return grad_norm_squared(self.sharded_state, self.tp_splits)
 
     def _unscale_and_clip(self, sq: torch.Tensor, scale: float) -> torch.Tensor:
         """Divide out the loss scale the gradients carry and apply sdp_gradient_clipping, as one
