@@ -23,6 +23,7 @@ from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimiz
 from shardpar.runtime.model import DistributedModel as _DistributedModel
 from shardpar.sharding.deferred_init import deferred_init
 from shardpar.sharding.plan import WrapPolicy
+from shardpar.tensor_parallel.layers import tp_split_table
 from shardpar.tensor_parallel.marks import TPOptions
 from shardpar.tensor_parallel.marks import prepare_model as prepare_tensor_parallel
 
@@ -117,7 +118,10 @@ def DistributedOptimizer(
         dynamic_loss_scale=dynamic_loss_scale,
         dynamic_loss_args=dynamic_loss_args,
     )
-    opt = _DistributedOptimizer(optimizer, model, clip_norm=st.config.sdp_gradient_clipping, loss_scaler=scaler)
+    splits = tp_split_table(model.module) if model.topology.tp.size > 1 else None  # the grad norm's TP rule
+    opt = _DistributedOptimizer(
+        optimizer, model, clip_norm=st.config.sdp_gradient_clipping, loss_scaler=scaler, tp_splits=splits
+    )
     st.optimizer = opt
     return opt
 

@@ -98,12 +98,10 @@ def export_keys(module: nn.Module) -> dict[str, Any]:
 
 def plan_items(model: DistributedModel, dtype: torch.dtype | None) -> list[Item]:
     """Every exported tensor, in streaming order: unit by unit, then persistent params and buffers."""
-    where: dict[int, tuple[str, int, int, str, tuple[int, ...]]] = {}
-    for u in model.units:
-        for j, (p, spec) in enumerate(zip(u.params, u.layout.specs, strict=True)):
-            where[id(p)] = ("unit", u.index, j, spec.fqn, spec.shape)
-    for i, (name, p) in enumerate(model.persistent.named):
-        where[id(p)] = ("persistent", -1, i, name, tuple(p.shape))
+    where = {
+        id(p.param): ("unit" if p.sharded else "persistent", p.unit, p.pos, p.fqn, p.shape)
+        for p in model.sharded_state.pieces
+    }
     buffers, splits = persistent_buffers(model), tp_split_table(model.module)
     items = []
     for key, value in export_keys(model.module).items():
@@ -197,27 +195,28 @@ def stream_units(model: DistributedModel, items: list[Item], sink: Sink | None, 
     by_unit: dict[int, list[Item]] = {}
     for it in items:
         by_unit.setdefault(it.unit, []).append(it)
-    for unit in model.units:
-        if unit.layout.numel == 0:
+    state = model.sharded_state
+    at = {(p.unit, p.pos): p for p in state.pieces}  # a persistent parameter's unit is -1
+    for index in range(state.num_units):
+        full = state.gather_unit(index)
+        if full is None:
             continue
-        full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
-        model.engine.all_gather(full, unit.main_shard, unit.comm.sharding)
         per_tp = _over_tp(full, tp)
         if sink is not None:
-            for it in by_unit.get(unit.index, []):
-                spec = unit.layout.specs[it.pos]
-                sink.write(it.key, partial(_original, it, per_tp, spec.offset, spec.shape))
+            for it in by_unit.get(index, []):
+                piece = at[(index, it.pos)]
+                sink.write(it.key, partial(_original, it, per_tp, piece.offset, piece.shape))
         del full, per_tp  # [memory] one unit's full parameters (times tp) at a time
     if sink is None and tp is None:
         return
-    persistent = _over_tp(model.persistent.main, tp)
+    persistent = _over_tp(state.persistent_main(), tp)
     if sink is None:
         return
     buffers = persistent_buffers(model)
     for it in items:
         if it.source == "persistent":
-            p = model.persistent.params[it.pos]
-            sink.write(it.key, partial(_original, it, persistent, model.persistent.offsets[it.pos], tuple(p.shape)))
+            piece = at[(-1, it.pos)]
+            sink.write(it.key, partial(_original, it, persistent, piece.offset, piece.shape))
         elif it.source == "buffer":
             sink.write(it.key, partial(buffers.__getitem__, it.name))
 

@@ -100,9 +100,7 @@ class FullLoad:
             for name, buf in persistent_buffers(self.model).items():
                 if name in self.where:
                     buf.copy_(files.get(self.where[name]).get_tensor(name))
-        for unit in self.model.units:
-            unit.refresh_compute()
-        self.model.persistent.refresh_compute()
+        self.model.sharded_state.refresh_compute()
         return self.user_content
 
 

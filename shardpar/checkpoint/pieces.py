@@ -51,26 +51,25 @@ def slots(model: DistributedModel) -> list[Slot]:
         cut = Cut.of(shape, splits.get(fqn))
         return cut, tp_rank if cut.size > 1 else 0
 
+    state = model.sharded_state
     out = []
-    for unit in model.units:
-        for p, sl in zip(unit.params, unit.slices, strict=True):
-            value, shape = unit.main_shard[sl.local], sl.spec.shape
-            out.append(
-                Slot(
-                    sl.spec.fqn,
-                    p,
-                    sl.param_start,
-                    sl.length,
-                    (sl.length,),
-                    value,
-                    True,
-                    shape,
-                    *placed(sl.spec.fqn, shape),
-                )
+    for piece in state.pieces:
+        shape = (piece.length,) if piece.sharded else piece.shape
+        cut, rank = placed(piece.fqn, piece.shape)
+        out.append(
+            Slot(
+                piece.fqn,
+                piece.param,
+                piece.start,
+                piece.length,
+                shape,
+                state.main(piece),
+                piece.sharded,
+                piece.shape,
+                cut,
+                rank,
             )
-    for i, (name, p) in enumerate(model.persistent.named):
-        value, shape = model.persistent.main_view(i), tuple(p.shape)
-        out.append(Slot(name, p, 0, p.numel(), shape, value, False, shape, *placed(name, shape)))
+        )
     return out
 
 

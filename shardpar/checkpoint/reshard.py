@@ -199,9 +199,7 @@ class LoadJob:
         for name, buf in persistent_buffers(self.model).items():
             if name in self.index["buffers"]:
                 buf.copy_(reader.tensor(self.index["buffers"][name]["file"], ix.buffer_key(name)))
-        for unit in self.model.units:
-            unit.refresh_compute()
-        self.model.persistent.refresh_compute()
+        self.model.sharded_state.refresh_compute()
 
     def _load_optimizer(self, reader: Reader, optimizer: DistributedOptimizer) -> None:
         saved = self.index["optimizer"]

@@ -10,18 +10,18 @@ keep working on the same optimizer object. Persistent parameters are stepped as 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardpar.optim.grad_norm import tp_grad_norm_squared
+from shardpar.optim.grad_norm import grad_norm_squared
 from shardpar.optim.loss_scaling import LossScaler, ScalerResume, StaticLossScaler, plan_scaler_resume
 from shardpar.precision import precision_name
 from shardpar.runtime.model import DistributedModel
-from shardpar.runtime.persistent import PersistentParams
-from shardpar.runtime.unit import Unit
-from shardpar.tensor_parallel.layers import tp_split_table
+from shardpar.runtime.state import Piece
+from shardpar.tensor_parallel.split import TPSplit
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -38,33 +38,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         *,
         clip_norm: float,
         loss_scaler: LossScaler | None = None,
+        tp_splits: Mapping[str, TPSplit] | None = None,
     ) -> None:
+        """`tp_splits`: the model's TP-split parameters by name (tensor_parallel.tp_split_table), passed
+        in by the caller under tensor parallelism; None or empty without it."""
         self.optimizer = optimizer
         self.model = model
+        self.sharded_state = model.sharded_state
         self.clip_norm = clip_norm
+        self.tp_splits = tp_splits
         self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler(1.0)
         self.overflow = False
         model.window.set_loss_scale(self.loss_scaler.loss_scale)
         self._main_piece: dict[int, nn.Parameter] = {}
-        self._grad_slots: list[tuple[nn.Parameter, Unit, slice, nn.Parameter]] = []  # piece, unit, slice, param
-        self._persistent_slots: list[tuple[nn.Parameter, int]] = []  # (piece, index in the persistent set)
+        self._grad_slots: list[tuple[nn.Parameter, Piece]] = []  # (main piece, where it lies) of trainable params
         self._build_pieces()
         self._repoint_groups()
         self.last_grad_norm: torch.Tensor | None = None
 
     def _build_pieces(self) -> None:
-        for unit in self.model.units:
-            for p, sl in zip(unit.params, unit.slices, strict=True):
-                piece = nn.Parameter(unit.main_shard[sl.local], requires_grad=p.requires_grad)
-                self._main_piece[id(p)] = piece
-                if p.requires_grad:
-                    self._grad_slots.append((piece, unit, sl.local, p))
-        persistent = self.model.persistent
-        for i, p in enumerate(persistent.params):
-            piece = nn.Parameter(persistent.main_view(i), requires_grad=p.requires_grad)
+        state = self.sharded_state
+        for where in state.pieces:
+            p = where.param
+            piece = nn.Parameter(state.main(where), requires_grad=p.requires_grad)
             self._main_piece[id(p)] = piece
             if p.requires_grad:
-                self._persistent_slots.append((piece, i))
+                self._grad_slots.append((piece, where))
 
     def _repoint_groups(self) -> None:
         if self.optimizer.state:
@@ -87,16 +86,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _attach_grads(self) -> None:
         unused = self.model.unused_params
-        for piece, unit, local, p in self._grad_slots:
-            piece.grad = None if unit.main_grad is None or id(p) in unused else unit.main_grad[local]
-        persistent = self.model.persistent
-        for piece, i in self._persistent_slots:
-            piece.grad = None if id(persistent.params[i]) in unused else persistent.grad_view(i)
-
-    def _main_grads(self) -> list[torch.Tensor]:
-        grads = [u.main_grad for u in self.model.units if u.main_grad is not None]
-        persistent = self.model.persistent.main_grad
-        return grads + ([persistent] if persistent is not None else [])
+        for piece, where in self._grad_slots:
+            piece.grad = None if id(where.param) in unused else self.sharded_state.grad(where)
 
     def grad_norm_squared(self) -> torch.Tensor:
         """Squared global L2 norm of the (still scaled) grads: every element counted once.
@@ -108,18 +99,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         A tensor-parallel model sums its TP-split grads over the TP group too and counts TP-replicated
         ones once (shardpar/optim/grad_norm.py).
         """
-        splits = tp_split_table(self.model.module) if self.model.topology.tp.size > 1 else None
-        if splits:
-            return tp_grad_norm_squared(self.model, splits)
-        sq = torch.zeros(1, dtype=torch.float32, device=self.model.device)
-        for unit in self.model.units:
-            if unit.main_grad is not None:
-                sq += unit.main_grad.pow(2).sum()
-        persistent = self.model.persistent.main_grad
-        if persistent is not None and self.model.topology.coords.sdp_rank == 0:
-            sq += persistent.pow(2).sum()
-        self.model.engine.all_reduce(sq, self.model.topology.sharding)
-        return sq
+        return grad_norm_squared(self.sharded_state, self.tp_splits)
 
     def _unscale_and_clip(self, sq: torch.Tensor, scale: float) -> torch.Tensor:
         """Divide out the loss scale the gradients carry and apply sdp_gradient_clipping, as one
@@ -134,7 +114,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.clip_norm > 0:
             coef = coef * torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0)
         if self.clip_norm > 0 or inv_scale != 1.0:
-            for grad in self._main_grads():
+            for grad in self.sharded_state.main_grads():
                 grad.mul_(coef)
         return norm[0]
 
@@ -161,9 +141,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = self._unscale_and_clip(sq, scale) if sq is not None else None
         self._attach_grads()
         result = self.optimizer.step()
-        for unit in self.model.units:
-            unit.refresh_compute()
-        self.model.persistent.refresh_compute()
+        self.sharded_state.refresh_compute()
         self.model.window.set_loss_scale(self.loss_scaler.loss_scale)
         self.model.end_step()
         return result
@@ -172,15 +150,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model.window.reset()  # the window's gradients are dropped
         if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped
             self.model.reset_grad_usage()
-        holders: list[Unit | PersistentParams] = [*self.model.units, self.model.persistent]
-        for holder in holders:
-            if set_to_none:
-                holder.main_grad = None
-            elif holder.main_grad is not None:
-                holder.main_grad.zero_()
-        for piece, _, _, _ in self._grad_slots:
-            piece.grad = None
-        for piece, _ in self._persistent_slots:
+        self.sharded_state.clear_grads(set_to_none=set_to_none)
+        for piece, _ in self._grad_slots:
             piece.grad = None
 
     def main_piece(self, p: torch.Tensor) -> nn.Parameter | None:

@@ -8,6 +8,7 @@ where the forward/backward sequence is pictured).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ from shardpar.runtime.materialize import Materializer, check_nothing_materialise
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer, plan_buckets
 from shardpar.runtime.schedule import LiveCounter, Scheduler
+from shardpar.runtime.state import ShardedState
 from shardpar.runtime.state_dict import full_state_dict, load_full_state_dict
 from shardpar.runtime.unit import Unit, UnitComm, UnitState
 from shardpar.runtime.window import AccumulationWindow
@@ -80,6 +82,9 @@ class DistributedModel(nn.Module):
             self.policy.reduce,
             self.device,
             plan_buckets(self.units, config.sdp_reduce_bucket_size),
+        )
+        self.sharded_state = ShardedState(
+            self.units, self.persistent, engine=engine, topology=topology, device=self.device
         )
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         self._link_dependencies(plans, registered or {})
@@ -166,9 +171,7 @@ class DistributedModel(nn.Module):
         self.unused_params = {id(p) for p, seen in zip(params, agreed, strict=True) if seen == 0.0}
 
     def reset_grad_usage(self) -> None:
-        holders: list[Unit | PersistentParams] = [*self.units, self.persistent]
-        for holder in holders:
-            holder.grad_used = [False] * len(holder.params)
+        self.sharded_state.reset_grad_usage()
 
     def end_step(self) -> None:
         """Called by the optimizer after each step: closes the step in the communication records, and
@@ -238,31 +241,58 @@ class DistributedModel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            # Not self._modules["module"]: before __init__ sets it, or after `del model.module`, a
+            # KeyError would escape hasattr().
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """Full tensors under the unwrapped model's keys (gathered unit by unit)."""
-        return full_state_dict(self)
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """Full tensors under the unwrapped model's keys (gathered unit by unit), each after `prefix`;
+        written into `destination` when given, as nn.Module does when this model is another's child.
+        With `keep_vars` buffers are the module's own tensors; parameters are full fp32 copies
+        whatever `keep_vars` says (a sharded parameter has no full tensor to hand out)."""
+        if len(args) > 3:
+            raise TypeError(f"state_dict() takes at most 3 positional arguments ({len(args)} given)")
+        # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
+        destination = args[0] if len(args) > 0 else destination
+        prefix = args[1] if len(args) > 1 else prefix
+        keep_vars = args[2] if len(args) > 2 else keep_vars
+        full = full_state_dict(self.sharded_state, self.module, keep_vars=keep_vars)
+        if destination is None and not prefix:
+            return full
+        out: dict[str, Any] = OrderedDict() if destination is None else destination
+        for key, value in full.items():
+            out[prefix + key] = value
+        metadata = getattr(out, "_metadata", None)
+        if metadata is not None:  # a parent's state_dict: the versions its load_state_dict reads
+            metadata.update(getattr(self.module.state_dict(prefix=prefix, keep_vars=True), "_metadata", {}))
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load full tensors (as returned by `state_dict`) into the shards and persistent params; a
-        missing key (strict) or a tensor of another shape raises before anything is written."""
-        return load_full_state_dict(self, state_dict, strict)
+        missing key (strict) or a tensor of another shape raises before anything is written.
+
+        `assign=True` raises ValueError: the parameters are views of their unit's shards, so the
+        values are always copied in, never adopted."""
+        if assign:
+            raise ValueError(
+                "load_state_dict(assign=True) is not supported by a DistributedModel: its parameters are "
+                "views of the sharded fp32 main copy, so the values are copied in, not adopted; pass assign=False"
+            )
+        return load_full_state_dict(self.sharded_state, self.module, state_dict, strict)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every sharded parameter (1-D) and every persistent parameter."""
-        out: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            for sl in unit.slices:
-                out[sl.spec.fqn] = unit.main_shard[sl.local].detach().clone()
-        for i, (name, _) in enumerate(self.persistent.named):
-            out[name] = self.persistent.main_view(i).detach().clone()
-        return out
+        return self.sharded_state.local_state_dict()
 
     def live_elements(self) -> int:
         """Unsharded elements alive right now."""

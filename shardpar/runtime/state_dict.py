@@ -1,19 +1,18 @@
-"""Full-tensor state dicts of a DistributedModel: gathered unit by unit on save, checked and scattered
-into the shards on load."""
+"""Full-tensor state dicts of a sharded model (its ShardedState and the unchanged module): gathered
+unit by unit on save, checked and scattered into the shards on load."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 
-if TYPE_CHECKING:
-    from shardpar.runtime.model import DistributedModel
+from shardpar.runtime.state import ShardedState
 
 
 def param_aliases(module: nn.Module) -> dict[int, list[str]]:
@@ -31,22 +30,24 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b for n, b in module.named_buffers(remove_duplicate=False) if n in keys}
 
 
-def full_state_dict(model: DistributedModel) -> dict[str, Any]:
-    """Full tensors under the unwrapped model's keys (gathered unit by unit)."""
-    full: dict[int, torch.Tensor] = {}
-    for unit in model.units:
-        values = unit.full_params()
-        for p, spec in zip(unit.params, unit.layout.specs, strict=True):
-            full[id(p)] = values[spec.fqn]
-    for i, p in enumerate(model.persistent.params):
-        full[id(p)] = model.persistent.main_view(i).detach().clone()  # fp32 main, not the compute copy
+def full_state_dict(state: ShardedState, module: nn.Module, *, keep_vars: bool = False) -> dict[str, Any]:
+    """Full tensors under `module`'s keys (parameters gathered unit by unit, fp32 main values). Buffers
+    are cloned, or with `keep_vars` the module's own tensors, as torch gives them; a parameter is always
+    a new tensor (a sharded one has no full tensor to hand out)."""
+    values = state.full_values()
+    full = {id(p.param): values[p.fqn] for p in state.pieces}
     out: dict[str, Any] = OrderedDict()
-    for key, value in model.module.state_dict(keep_vars=True).items():
-        out[key] = full[id(value)] if id(value) in full else value.detach().clone()
+    for key, value in module.state_dict(keep_vars=True).items():
+        if id(value) in full:
+            out[key] = full[id(value)]
+        else:
+            out[key] = value if keep_vars else value.detach().clone()
     return out
 
 
-def load_full_state_dict(model: DistributedModel, state_dict: Mapping[str, Any], strict: bool) -> _IncompatibleKeys:
+def load_full_state_dict(
+    state: ShardedState, module: nn.Module, state_dict: Mapping[str, Any], strict: bool
+) -> _IncompatibleKeys:
     """Load full tensors (as `full_state_dict` returns them) into the shards and persistent params.
     Every check runs before anything is written, and alike on every rank (each passes the same dict),
     so a bad checkpoint raises everywhere instead of leaving some ranks in the next collective.
@@ -55,12 +56,10 @@ def load_full_state_dict(model: DistributedModel, state_dict: Mapping[str, Any],
     unexpected, and strict raises on missing or unexpected ones; otherwise they are returned. A tied
     parameter is loaded from whichever of its names the dict holds, and is missing only when it
     holds none of them."""
-    plan = _plan_load(model, state_dict)
+    plan = _plan_load(state, module, state_dict)
     if strict and (plan.missing or plan.unexpected):
-        raise ValueError(_strict_message(model, plan))
-    for unit in model.units:
-        unit.load_full_params({s.fqn: plan.values[s.fqn] for s in unit.layout.specs if s.fqn in plan.values})
-    model.persistent.load({name: plan.values[name] for name, _ in model.persistent.named if name in plan.values})
+        raise ValueError(_strict_message(module, plan))
+    state.load_full_values(plan.values)
     with torch.no_grad():
         for name, b in plan.buffers.items():
             if name in state_dict:
@@ -76,16 +75,15 @@ class _LoadPlan:
     unexpected: list[str]
 
 
-def _plan_load(model: DistributedModel, state_dict: Mapping[str, Any]) -> _LoadPlan:
+def _plan_load(state: ShardedState, module: nn.Module, state_dict: Mapping[str, Any]) -> _LoadPlan:
     """Resolve tied names and find missing and unexpected keys; raise on a size mismatch or on tied
     names holding different values. Reads the dict only, so it runs alike on every rank."""
-    module = model.module
     aliases = param_aliases(module)  # a tied parameter has several names; a dict may hold any of them
     known = list(module.state_dict(keep_vars=True))  # parameters, persistent buffers, extra state
     known_set = set(known)
     buffers = persistent_buffers(module)
-    own = _own_names(model)
-    _check_shapes(model, state_dict, aliases, own, buffers)
+    own = {id(p.param): p.fqn for p in state.pieces}  # the one name its unit or the persistent table uses
+    _check_shapes(state, state_dict, aliases, own, buffers)
     values, absent = {}, set(buffers)
     for param_id, name in own.items():
         present = [a for a in aliases[param_id] if a in state_dict]
@@ -99,13 +97,6 @@ def _plan_load(model: DistributedModel, state_dict: Mapping[str, Any]) -> _LoadP
     return _LoadPlan(values, buffers, missing, unexpected)
 
 
-def _own_names(model: DistributedModel) -> dict[int, str]:
-    """id(parameter) -> the one name its unit or the persistent table keys it under."""
-    names = {id(p): s.fqn for unit in model.units for p, s in zip(unit.params, unit.layout.specs, strict=True)}
-    names.update({id(p): name for name, p in model.persistent.named})
-    return names
-
-
 def _check_tied_agree(state_dict: Mapping[str, Any], present: list[str]) -> None:
     first = state_dict[present[0]]
     for other in present[1:]:
@@ -116,29 +107,28 @@ def _check_tied_agree(state_dict: Mapping[str, Any], present: list[str]) -> None
             )
 
 
-def _strict_message(model: DistributedModel, plan: _LoadPlan) -> str:
+def _strict_message(module: nn.Module, plan: _LoadPlan) -> str:
     def some(keys: list[str]) -> str:
         return f"{keys[:5]}{f' (and {len(keys) - 5} more)' if len(keys) > 5 else ''}"
 
     parts = [f"missing keys {some(plan.missing)}"] if plan.missing else []
     parts += [f"unexpected keys {some(plan.unexpected)}"] if plan.unexpected else []
     return (
-        f"load_state_dict(strict=True) into {type(model.module).__name__}: {'; '.join(parts)}. The state "
+        f"load_state_dict(strict=True) into {type(module).__name__}: {'; '.join(parts)}. The state "
         "dict must hold every parameter (under any of its tied names) and persistent buffer, and nothing "
         "else; fix the keys, or pass strict=False to load what matches"
     )
 
 
 def _check_shapes(
-    model: DistributedModel,
+    state: ShardedState,
     state_dict: Mapping[str, Any],
     aliases: dict[int, list[str]],
     own: dict[int, str],
     buffers: dict[str, torch.Tensor],
 ) -> None:
     """Like torch's "size mismatch for ...": the shards would take any tensor of enough elements."""
-    shape_of = {s.fqn: s.shape for unit in model.units for s in unit.layout.specs}
-    shape_of.update({name: p.shape for name, p in model.persistent.named})
+    shape_of = {p.fqn: p.shape for p in state.pieces}
     expected = {alias: shape_of[name] for param_id, name in own.items() for alias in aliases[param_id]}
     # persistent buffers only: a non-persistent one in the dict is unexpected, whatever its shape (as torch)
     expected.update({n: b.shape for n, b in buffers.items()})

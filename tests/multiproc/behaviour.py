@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -390,6 +391,49 @@ def state_dict_case() -> dict[str, Any]:
         "state_numel": state_numel,
         "full_numel": sum(v.numel() for v in full.values()),
         "shapes_ok": all(tuple(full[k].shape) == tuple(v.shape) for k, v in models.UnevenMLP().state_dict().items()),
+    }
+
+
+def _buffered_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    body = models.UnevenMLP()
+    body.register_buffer("steps", torch.arange(2.0))
+    return body
+
+
+def _parent(body: nn.Module) -> nn.Module:
+    """A module holding `body` between a parameter and a buffer of its own (the same on every call)."""
+    torch.manual_seed(1)
+    parent = nn.Module()
+    parent.extra = nn.Linear(2, 3)
+    parent.body = body
+    parent.register_buffer("tag", torch.arange(3.0))
+    return parent
+
+
+def nested_state_dict_case() -> dict[str, Any]:
+    """A parent holding a DistributedModel gives the state dict it gives holding the plain model:
+    nn.Module.state_dict hands the child a prefix and its destination and ignores what it returns."""
+    smp.init({"sdp_param_persistence_threshold": 0, "sharded_data_parallel_degree": 2})
+    plain = _parent(_buffered_mlp())
+    model = smp.DistributedModel(_buffered_mlp())
+    wrapped = _parent(model)
+    pieces = model.sharded_state.pieces
+    ref, got = plain.state_dict(), wrapped.state_dict()
+    ref_vars, got_vars = plain.state_dict(keep_vars=True), wrapped.state_dict(keep_vars=True)
+    into: dict[str, Any] = {}
+    returned = model.state_dict(destination=into, prefix="x.")
+    return {
+        "sharded": all(p.sharded for p in pieces) and any(0 < p.length < math.prod(p.shape) for p in pieces),
+        "keys": list(got),
+        "ref_keys": list(ref),
+        "values_equal": list(got) == list(ref) and all(torch.equal(got[k], ref[k]) for k in ref),
+        "metadata_equal": dict(got._metadata) == dict(ref._metadata),  # type: ignore[attr-defined]
+        "keep_vars_keys": list(got_vars) == list(ref_vars),
+        "keep_vars_buffer_is_the_module_one": got_vars["body.steps"] is model.module.steps,
+        "keep_vars_values_equal": all(torch.equal(got_vars[k].detach(), ref_vars[k].detach()) for k in ref_vars),
+        "destination": returned is into and list(into) == ["x." + k for k in _buffered_mlp().state_dict()],
+        "top_level_keys": list(model.state_dict()) == list(_buffered_mlp().state_dict()),
     }
 
 

@@ -111,6 +111,15 @@ def test_state_dicts(ranks) -> None:
     assert full <= counts["local"] <= full + 2 * 20
 
 
+def test_a_wrapped_model_inside_a_parent_gives_the_plain_parents_state_dict(ranks) -> None:
+    for r in ranks.run(2, behaviour.nested_state_dict_case):
+        assert r["sharded"], "the test needs every parameter sharded over both ranks"
+        assert r["keys"] == r["ref_keys"] and any(k.startswith("body.blocks.") for k in r["keys"]), r["keys"]
+        assert r["values_equal"] and r["metadata_equal"]
+        assert r["keep_vars_keys"] and r["keep_vars_values_equal"] and r["keep_vars_buffer_is_the_module_one"]
+        assert r["destination"] and r["top_level_keys"]
+
+
 def test_a_unit_run_twice_under_reentrant_checkpointing_is_an_error_not_wrong_gradients(ranks) -> None:
     for r in ranks.run(2, behaviour.recurrent_unit_under_checkpoint_case, True):
         assert "blocks.0." in r["error"] and "got a gradient after the unit's gradients were reduced" in r["error"], r

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import shardpar as smp
+from shardpar.runtime.model import DistributedModel
 
 
 class _Tied(nn.Module):
@@ -99,3 +100,25 @@ def test_tied_names_holding_different_values_are_refused(world_of_one: None) -> 
     state["head.weight"] = state["head.weight"] + 1.0
     with pytest.raises(ValueError, match=r"'embed.weight' and 'head.weight' name one tied parameter"):
         model.load_state_dict(state, strict=False)
+
+
+def test_assign_true_is_refused_before_anything_is_written(world_of_one: None) -> None:
+    model = _model()
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"load_state_dict\(assign=True\) is not supported.*pass assign=False"):
+        model.load_state_dict({k: v + 1.0 for k, v in before.items()}, assign=True)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "a refused load changed the model"
+
+
+def test_a_missing_attribute_is_an_attribute_error_naming_it(world_of_one: None) -> None:
+    model = _model()
+    assert hasattr(model, "embed") and not hasattr(model, "nope")  # the inner module's, then neither's
+    with pytest.raises(AttributeError, match="'nope'"):
+        _ = model.nope
+    del model.module
+    assert not hasattr(model, "nope") and not hasattr(model, "embed")
+    with pytest.raises(AttributeError, match="'embed'"):
+        _ = model.embed
+    unbuilt = DistributedModel.__new__(DistributedModel)  # as seen before __init__ sets anything
+    assert not hasattr(unbuilt, "nope")

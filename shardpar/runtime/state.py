@@ -1,0 +1,188 @@
+"""ShardedState: a read/write view of a DistributedModel's sharded state, for the optimizer, the grad
+norm, checkpoints and state dicts. Code outside runtime/ reaches the shards only through it.
+
+Per original parameter it names a `Piece`: the part of the parameter this rank holds (a range of a
+unit's main shard, or all of a persistent parameter) and where that lies in its holder's flat fp32
+main copy and main grad.
+
+    unit main shard (this rank):   | w.a [start, start+length) | w.b ... | pad |
+                                     ^ Piece.local                ^ next Piece.local
+    persistent main (every rank):  | p0 | p1 | p2 |              Piece.local = [offset, offset+numel)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardpar.collectives import Engine
+from shardpar.runtime.persistent import PersistentParams
+from shardpar.runtime.unit import Unit
+from shardpar.topology import Topology
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One original parameter as this rank holds it."""
+
+    fqn: str  # its name in its unit's layout or the persistent table (a tied parameter: one of its names)
+    param: nn.Parameter
+    shape: tuple[int, ...]  # the parameter's
+    sharded: bool  # False: a persistent parameter, whole on every rank
+    start: int  # this rank holds flat elements [start, start + length) of the parameter
+    length: int
+    unit: int  # index of the unit holding it; -1 when persistent
+    pos: int  # its position in the unit, or in the persistent set
+    offset: int  # where the parameter starts in its holder's full flat values (gather_unit / persistent_main)
+    local: slice  # its range in the holder's local flat main copy and main grad
+
+
+@dataclass(frozen=True)
+class GradBlock:
+    """One flat fp32 main grad and the pieces it holds."""
+
+    grad: torch.Tensor
+    replicated: bool  # the same on every rank of the sharding group (persistent grads after their AllReduce)
+    pieces: list[Piece]
+
+
+class ShardedState:
+    def __init__(
+        self,
+        units: list[Unit],
+        persistent: PersistentParams,
+        *,
+        engine: Engine,
+        topology: Topology,
+        device: torch.device,
+    ) -> None:
+        self._units = units
+        self._persistent = persistent
+        self.engine = engine
+        self.topology = topology
+        self.device = device
+        self._unit_pieces = [_unit_pieces(u) for u in units]
+        self._persistent_pieces = _persistent_pieces(persistent)
+        self.pieces: list[Piece] = [*(p for ps in self._unit_pieces for p in ps), *self._persistent_pieces]
+
+    @property
+    def num_units(self) -> int:
+        return len(self._units)
+
+    # ---- values and grads, piece by piece ---------------------------------------------------
+
+    def main(self, piece: Piece) -> torch.Tensor:
+        """The piece's fp32 main values (a view): flat when sharded, the parameter's shape when persistent."""
+        if piece.sharded:
+            return self._units[piece.unit].main_shard[piece.local]
+        return self._persistent.main_view(piece.pos)
+
+    def grad(self, piece: Piece) -> torch.Tensor | None:
+        """The piece's fp32 main grad (a view shaped like `main(piece)`); None when there is none."""
+        if piece.sharded:
+            grad = self._units[piece.unit].main_grad
+            return None if grad is None else grad[piece.local]
+        return self._persistent.grad_view(piece.pos)
+
+    def main_grads(self) -> list[torch.Tensor]:
+        """Every flat main grad that exists: the units', then the persistent one."""
+        grads = [u.main_grad for u in self._units if u.main_grad is not None]
+        persistent = self._persistent.main_grad
+        return grads + ([persistent] if persistent is not None else [])
+
+    def grad_blocks(self) -> list[GradBlock]:
+        """The main grads with the pieces they hold, in main_grads() order (for the grad norm)."""
+        blocks = [
+            GradBlock(u.main_grad, False, pieces)
+            for u, pieces in zip(self._units, self._unit_pieces, strict=True)
+            if u.main_grad is not None
+        ]
+        if self._persistent.main_grad is not None:
+            blocks.append(GradBlock(self._persistent.main_grad, True, self._persistent_pieces))
+        return blocks
+
+    # ---- after a step, between steps ----------------------------------------------------------
+
+    def refresh_compute(self) -> None:
+        """After the fp32 main values changed (a step, a load): update the compute-dtype copies."""
+        for unit in self._units:
+            unit.refresh_compute()
+        self._persistent.refresh_compute()
+
+    def clear_grads(self, *, set_to_none: bool) -> None:
+        """Drop (set_to_none) or zero every main grad."""
+        holders: list[Unit | PersistentParams] = [*self._units, self._persistent]
+        for holder in holders:
+            if set_to_none:
+                holder.main_grad = None
+            elif holder.main_grad is not None:
+                holder.main_grad.zero_()
+
+    def reset_grad_usage(self) -> None:
+        """Forget which parameters got a gradient ([Note: unused params] in model.py)."""
+        holders: list[Unit | PersistentParams] = [*self._units, self._persistent]
+        for holder in holders:
+            holder.grad_used = [False] * len(holder.params)
+
+    # ---- full values --------------------------------------------------------------------------
+
+    def gather_unit(self, index: int) -> torch.Tensor | None:
+        """Unit `index`'s full flat fp32 main values, padded (one AllGather over the sharding group);
+        a piece's parameter is at [offset, offset + numel). None for a unit without elements."""
+        unit = self._units[index]
+        if unit.layout.numel == 0:
+            return None
+        full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
+        self.engine.all_gather(full, unit.main_shard, unit.comm.sharding)
+        return full
+
+    def persistent_main(self) -> torch.Tensor:
+        """The persistent parameters' flat fp32 main values (the same on every rank); no copy."""
+        return self._persistent.main
+
+    def full_values(self) -> dict[str, torch.Tensor]:
+        """Every parameter at full size, fp32, cloned, by piece name: gathered unit by unit."""
+        out: dict[str, torch.Tensor] = {}
+        for unit in self._units:
+            out.update(unit.full_params())
+        for piece in self._persistent_pieces:
+            out[piece.fqn] = self._persistent.main_view(piece.pos).detach().clone()  # fp32 main, not compute
+        return out
+
+    def load_full_values(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Set the parameters `values` names (by piece name, full size; every rank passes the same)."""
+        for unit, pieces in zip(self._units, self._unit_pieces, strict=True):
+            unit.load_full_params({p.fqn: values[p.fqn] for p in pieces if p.fqn in values})
+        self._persistent.load({p.fqn: values[p.fqn] for p in self._persistent_pieces if p.fqn in values})
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's piece of every parameter (1-D when sharded), cloned."""
+        return {p.fqn: self.main(p).detach().clone() for p in self.pieces}
+
+
+def _unit_pieces(unit: Unit) -> list[Piece]:
+    return [
+        Piece(
+            sl.spec.fqn,
+            p,
+            sl.spec.shape,
+            True,
+            sl.param_start,
+            sl.length,
+            unit.index,
+            j,
+            sl.spec.offset,
+            sl.local,
+        )
+        for j, (p, sl) in enumerate(zip(unit.params, unit.slices, strict=True))
+    ]
+
+
+def _persistent_pieces(persistent: PersistentParams) -> list[Piece]:
+    out = []
+    for i, ((name, p), off) in enumerate(zip(persistent.named, persistent.offsets, strict=True)):
+        out.append(Piece(name, p, tuple(p.shape), False, 0, p.numel(), -1, i, off, slice(off, off + p.numel())))
+    return out
