@@ -290,6 +290,17 @@ class DistributedModel(nn.Module):
             )
         return load_full_state_dict(self.sharded_state, self.module, state_dict, strict)
 
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        """nn.Module's recursion, when a parent's load_state_dict reaches this model: the inner
+        module's parameters are views of shards (size 0 outside forward), so torch would report every
+        key missing or, with strict=False, load nothing without a word. Refused instead."""
+        raise ValueError(
+            f"load_state_dict through a parent module reached the DistributedModel at {prefix!r}: its "
+            "sharded parameters load only through its own load_state_dict. Load the parent's other "
+            f"entries first, then call .load_state_dict({{k[len({prefix!r}):]: v for k, v in sd.items() "
+            f"if k.startswith({prefix!r})}}) on the wrapped model"
+        )
+
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every sharded parameter (1-D) and every persistent parameter."""
         return self.sharded_state.local_state_dict()

@@ -122,3 +122,15 @@ def test_a_missing_attribute_is_an_attribute_error_naming_it(world_of_one: None)
         _ = model.embed
     unbuilt = DistributedModel.__new__(DistributedModel)  # as seen before __init__ sets anything
     assert not hasattr(unbuilt, "nope")
+
+
+def test_loading_through_a_parent_is_refused_not_silently_skipped(world_of_one: None) -> None:
+    """torch's load_state_dict recursion would see size-0 parameters: every key missing, or with
+    strict=False nothing loaded without a word."""
+    parent = nn.Module()
+    parent.wrapped = _model()
+    state = parent.state_dict()
+    assert "wrapped.embed.weight" in state
+    for strict in (True, False):
+        with pytest.raises(ValueError, match=r"through a parent module reached the DistributedModel at 'wrapped\.'"):
+            parent.load_state_dict(state, strict=strict)
