@@ -23,7 +23,7 @@ from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimiz
 from shardpar.runtime.model import DistributedModel as _DistributedModel
 from shardpar.sharding.deferred_init import deferred_init
 from shardpar.sharding.plan import WrapPolicy
-from shardpar.tensor_parallel.layers import tp_split_table
+from shardpar.tensor_parallel.layers import TPLayer, tp_split_table
 from shardpar.tensor_parallel.marks import TPOptions
 from shardpar.tensor_parallel.marks import prepare_model as prepare_tensor_parallel
 
@@ -73,6 +73,7 @@ def DistributedModel(
         wrap=wrap,
         registered=registered,
         device=st.device,
+        premade=[p for m in module.modules() if isinstance(m, TPLayer) for p in m.parameters()],
     )
     st.model = model
     return model

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import cast
 
 import torch
 from torch import nn
 
 from shardpar.sharding.deferred_init import is_deferred, materialize, materialize_by_reset, record_init
-from shardpar.tensor_parallel.layers import TPLayer
 
 _SEED = 0  # every rank materialises a meta parameter with no record from the same RNG state
 
@@ -63,12 +62,14 @@ class Materializer:
                     m._buffers[name] = materialize(b, self.device)
 
 
-def check_nothing_materialised(module: nn.Module) -> None:
+def check_nothing_materialised(module: nn.Module, *, premade: Collection[nn.Parameter] = ()) -> None:
     """`delayed_parameter_initialization=True` promises no rank builds the full model: every parameter is
-    still on meta (deferred or init_empty_weights). TP layers are exempt: the TP conversion, run before
-    this, materialised only this rank's TP slice of them. Same outcome on every rank, before any collective."""
-    tp_owned = {id(p) for m in module.modules() if isinstance(m, TPLayer) for p in m.parameters()}
-    real = [(n, p.numel()) for n, p in module.named_parameters() if not p.is_meta and id(p) not in tp_owned]
+    still on meta (deferred or init_empty_weights). `premade` parameters are exempt: the TP layers' (the
+    TP conversion, run before this, materialised only this rank's TP slice of them; api/training.py
+    passes them in, so the core does not import tensor_parallel). Same outcome on every rank, before any
+    collective."""
+    exempt = {id(p) for p in premade}
+    real = [(n, p.numel()) for n, p in module.named_parameters() if not p.is_meta and id(p) not in exempt]
     if real:
         listed = ", ".join(n for n, _ in real[:3]) + (f" and {len(real) - 3} more" if len(real) > 3 else "")
         raise ValueError(

@@ -9,7 +9,7 @@ where the forward/backward sequence is pictured).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -48,11 +48,12 @@ class DistributedModel(nn.Module):
         wrap: WrapPolicy = None,
         registered: _Registered | None = None,
         device: torch.device | None = None,
+        premade: Collection[nn.Parameter] = (),
     ) -> None:
         super().__init__()
         self.window = AccumulationWindow(backward_passes_per_step)  # validates it first
         if config.delayed_parameter_initialization:
-            check_nothing_materialised(module)
+            check_nothing_materialised(module, premade=premade)
         self.module = module
         self.config = config
         self.topology = topology
