@@ -39,9 +39,9 @@ from shardpar.checkpoint.safetensors_io import (
     TensorEntry,
 )
 from shardpar.runtime.model import DistributedModel
+from shardpar.sharding.tp_split import TPSplit
 from shardpar.tensor_parallel.comm import TPComm
 from shardpar.tensor_parallel.layers import tp_split_table
-from shardpar.tensor_parallel.split import TPSplit
 
 MANIFEST = "shardpar_full.json"
 FULL_FORMAT = "shardpar.full"

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from shardpar.tensor_parallel.split import TPSplit
+from shardpar.sharding.tp_split import TPSplit
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from shardpar.runtime.state import ShardedState
-from shardpar.tensor_parallel.split import TPSplit
+from shardpar.sharding.tp_split import TPSplit
 
 
 def grad_norm_squared(state: ShardedState, splits: Mapping[str, TPSplit] | None = None) -> torch.Tensor:

@@ -21,7 +21,7 @@ from shardpar.optim.loss_scaling import LossScaler, ScalerResume, StaticLossScal
 from shardpar.precision import precision_name
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.state import Piece
-from shardpar.tensor_parallel.split import TPSplit
+from shardpar.sharding.tp_split import TPSplit
 
 
 class DistributedOptimizer(torch.optim.Optimizer):

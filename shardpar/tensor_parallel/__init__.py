@@ -3,6 +3,7 @@ parallelism with tensor parallelism"): TP layers, communication regions, Hugging
 vocab-parallel loss (TP-aware clipping is optim/grad_norm.py; the prescaled-batch helper smp.rdp_slice). See
 docs/tensor_parallelism.md."""
 
+from shardpar.sharding.tp_split import TPSplit
 from shardpar.tensor_parallel.comm import (
     TPComm,
     copy_to_tp_region,
@@ -26,7 +27,6 @@ from shardpar.tensor_parallel.layers import (
 )
 from shardpar.tensor_parallel.loss import VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
 from shardpar.tensor_parallel.marks import ModuleMarks, TPOptions, prepare_model
-from shardpar.tensor_parallel.split import TPSplit
 
 __all__ = [
     "ColumnParallelLinear",

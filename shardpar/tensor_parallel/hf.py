@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from shardpar.sharding.deferred_init import is_deferred, materialize
+from shardpar.sharding.tp_split import TPSplit
 from shardpar.tensor_parallel.comm import TPComm, copy_to_tp_region
 from shardpar.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -33,7 +34,6 @@ from shardpar.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 from shardpar.tensor_parallel.loss import VocabParallelCausalLMLoss
-from shardpar.tensor_parallel.split import TPSplit
 
 Include = Callable[[nn.Module], bool]
 

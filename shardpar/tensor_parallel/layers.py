@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardpar.sharding.tp_split import TPSplit
 from shardpar.tensor_parallel.comm import (
     TPComm,
     copy_to_tp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
 )
-from shardpar.tensor_parallel.split import TPSplit
 
 
 def check_indices(indices: torch.Tensor, limit: int, what: str, fix: str, *, skip: int | None = None) -> None:
