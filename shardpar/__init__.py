@@ -2,93 +2,16 @@
 
 import shardpar as smp
 smp.init({"sharded_data_parallel_degree": 2})
+
+The facade: re-exports only (the names are defined in api/ and below; docs/design.md, "Layers").
 """
 
-from shardpar.api import (
-    CommGroup,
-    DistributedModel,
-    DistributedOptimizer,
-    StepOutput,
-    allgather,
-    barrier,
-    broadcast,
-    comm_stats,
-    delay_param_initialization,
-    device,
-    dp_rank,
-    dp_size,
-    get_config,
-    get_engine,
-    get_topology,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    rdp_rank,
-    rdp_sampler,
-    rdp_size,
-    rdp_slice,
-    register_parameter,
-    replica_rank,
-    resume_from_checkpoint,
-    save_checkpoint,
-    sdp_rank,
-    sdp_size,
-    shutdown,
-    size,
-    step,
-    tensor_parallelism,
-    tp_rank,
-    tp_size,
-)
+from shardpar import api as _api
+from shardpar.api import *  # noqa: F403  the smp names, listed in shardpar.api.__all__
 from shardpar.checkpoint import CheckpointError
 from shardpar.config import Config
 from shardpar.topology import Plan, Topology, plan
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointError",
-    "CommGroup",
-    "Config",
-    "DistributedModel",
-    "DistributedOptimizer",
-    "Plan",
-    "StepOutput",
-    "Topology",
-    "__version__",
-    "allgather",
-    "barrier",
-    "broadcast",
-    "comm_stats",
-    "delay_param_initialization",
-    "device",
-    "dp_rank",
-    "dp_size",
-    "get_config",
-    "get_engine",
-    "get_topology",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "plan",
-    "rank",
-    "rdp_rank",
-    "rdp_sampler",
-    "rdp_size",
-    "rdp_slice",
-    "register_parameter",
-    "replica_rank",
-    "resume_from_checkpoint",
-    "save_checkpoint",
-    "sdp_rank",
-    "sdp_size",
-    "shutdown",
-    "size",
-    "step",
-    "tensor_parallelism",
-    "tp_rank",
-    "tp_size",
-]
+__all__ = [*_api.__all__, "CheckpointError", "Config", "Plan", "Topology", "__version__", "plan"]
