@@ -21,13 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardpar.config_v1 import ALIASES, NO_EFFECT, split_v1_keys
+
 ENGINE_CHOICES = ("auto", "nccl", "smddp")
 SMDDP_BUFFER_ALIGN = 8192
 
 # Keys a SageMaker smp_options dict carries that mean nothing here but must not be rejected:
-# "ddp" must be True under sharded data parallelism (there is no other mode), "partitions" is the
-# v1 spelling of pipeline_parallel_degree.
-_ALIASES = {"partitions": "pipeline_parallel_degree"}
+# "ddp" must be True under sharded data parallelism (there is no other mode); v1's other names of
+# knobs (partitions, fp16_params) and its keys that change nothing here are in config_v1.py.
+_ALIASES = ALIASES
 _ACCEPTED_ONLY = {"ddp": True}
 
 _ENV_PREFIX = "SHARDPAR_"
@@ -76,9 +78,12 @@ class Config:
     # Read from the SMDDP_* environment variables (reference 003, "Performance and memory tuning").
     smddp_ag_scratch_buffer_size_bytes: int = _knob(16 * 1024 * 1024, "env SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES")
     smddp_ag_sort_buffer_size_bytes: int = _knob(128 * 1024 * 1024, "env SMDDP_AG_SORT_BUFFER_SIZE_BYTES")
+    # Not a knob: the SageMaker v1 keys that were accepted but change nothing here, one note each
+    # (config_v1.py); smp.init warns once, on rank 0.
+    v1_notes: tuple[str, ...] = field(default=(), repr=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
+        for f in _knob_fields():
             object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name)))
         self._check_rules()
 
@@ -101,9 +106,9 @@ class Config:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> Config:
-        params = _unwrap_sagemaker(raw)
-        kwargs = _smddp_env(os.environ if env is None else env)
-        names = {f.name for f in dataclasses.fields(cls)}
+        params, notes = split_v1_keys(_unwrap_sagemaker(raw))
+        kwargs: dict[str, Any] = {**_smddp_env(os.environ if env is None else env), "v1_notes": notes}
+        names = {f.name for f in _knob_fields()}
         for key, value in params.items():
             real = _ALIASES.get(key)
             if real is not None and real in params and params[real] != value:
@@ -132,7 +137,7 @@ class Config:
             text = env["SHARDPAR_CONFIG"].strip()
             where = "the environment variable SHARDPAR_CONFIG"
             raw.update(_parse_json(text, where) if text.startswith("{") else _read_file(Path(text)))
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in _knob_fields()}
         for key, value in env.items():
             if key.startswith(_ENV_PREFIX) and key != "SHARDPAR_CONFIG":
                 knob = key[len(_ENV_PREFIX) :].lower()
@@ -240,7 +245,7 @@ def _unwrap_sagemaker(raw: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _unknown_key_message(key: str, names: set[str]) -> str:
-    known = sorted(names | set(_ALIASES) | set(_ACCEPTED_ONLY))
+    known = sorted(names | set(_ALIASES) | set(_ACCEPTED_ONLY) | set(NO_EFFECT) | {"placement_strategy", "horovod"})
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known knobs: {', '.join(known)}"
     return f"unknown config key {key!r}{hint}"
@@ -336,4 +341,8 @@ def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
 
 def describe_knobs() -> list[tuple[str, Any, str]]:
     """(name, default, doc) of every knob, for the CLI and the docs."""
-    return [(f.name, f.default, f.metadata["doc"]) for f in dataclasses.fields(Config)]
+    return [(f.name, f.default, f.metadata["doc"]) for f in _knob_fields()]
+
+
+def _knob_fields() -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(Config) if not f.metadata.get("internal")]

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import enum
 import os
+import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from torch import nn
 from shardpar.collectives import CommStats, CountingEngine, Engine, Group, make_engine
 from shardpar.collectives.native import all_gather_object, broadcast_object
 from shardpar.config import Config
+from shardpar.config_v1 import warning_text as v1_warning_text
 from shardpar.tensor_parallel.marks import ModuleMarks
 from shardpar.topology import Plan, Topology, plan
 
@@ -105,6 +107,8 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         )
     )
     _STATE = _State(cfg, the_plan, topology, engine, owns, local_rank, local_size, device)
+    if cfg.v1_notes and rank == 0:
+        warnings.warn(v1_warning_text(cfg.v1_notes), stacklevel=2)
     return cfg
 
 

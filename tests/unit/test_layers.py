@@ -3,7 +3,7 @@
 and no files import each other in a circle.
 
     cli > facade (shardpar/__init__.py) > api > checkpoint > optim > runtime > tensor_parallel
-        > sharding > ground (config, collectives, topology, precision)
+        > sharding > ground (config, config_v1, collectives, topology, precision)
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "shardpar"
 
 # Lowest first. A module belongs to the first layer one of whose prefixes is its name or a parent of it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("ground", ("shardpar.config", "shardpar.collectives", "shardpar.topology", "shardpar.precision")),
+    (
+        "ground",
+        ("shardpar.config", "shardpar.config_v1", "shardpar.collectives", "shardpar.topology", "shardpar.precision"),
+    ),
     ("sharding", ("shardpar.sharding",)),
     ("tensor_parallel", ("shardpar.tensor_parallel",)),
     ("runtime", ("shardpar.runtime",)),
