@@ -59,6 +59,9 @@ class _State:
     device: torch.device
     model: _DistributedModel | None = None
     optimizer: _DistributedOptimizer | None = None
+    pp_group: Any = None  # smp.get_pp_process_group(): this rank alone, made on first use (api/groups.py)
+    p2p_sent: dict[int, int] = dataclasses.field(default_factory=dict)  # messages sent to each global rank
+    p2p_received: dict[int, int] = dataclasses.field(default_factory=dict)  # messages taken from each
 
 
 _STATE: _State | None = None
@@ -311,16 +314,16 @@ def barrier(group: CommGroup = CommGroup.WORLD) -> None:
     st.engine.barrier(_group(group))
 
 
-def broadcast(obj: Any, group: CommGroup = CommGroup.WORLD, *, src: int | None = None) -> Any:
-    """The object held by global rank `src` (default: the group's first rank), on every member: a
-    collective every member calls (SMP v1's broadcast is sender-only, paired with recv_from)."""
+def broadcast_collective(obj: Any, group: CommGroup, src: int) -> Any:
+    """The object held by global rank `src`, on every member: a collective every member calls
+    (smp.broadcast with src=...; without src it is v1's sender-only broadcast, api/p2p.py)."""
     g = _group(group)
-    if src is not None and src not in g.ranks:
+    if src not in g.ranks:
         raise ValueError(
             f"broadcast src={src} is not in this rank's {group.name} (global ranks {list(g.ranks)}); pass the "
-            "global rank of a member, or src=None for the group's first rank"
+            "global rank of a member"
         )
-    return broadcast_object(obj, g.ranks[0] if src is None else src, g)
+    return broadcast_object(obj, src, g)
 
 
 def allgather(obj: Any, group: CommGroup = CommGroup.WORLD) -> list[Any]:

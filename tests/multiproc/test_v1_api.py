@@ -1,0 +1,39 @@
+"""SageMaker model-parallel v1's rank/group queries, process-group handles and point-to-point object
+helpers (issue 22, item 4) on 4 gloo ranks with tensor_parallel_degree 2."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.multiproc import v1_api_cases
+
+
+def test_v1_ranks_and_process_groups(ranks) -> None:
+    for r in ranks.run(4, v1_api_cases.groups_case):
+        assert r["pp"] == (0, 1) and r["mp"] == r["tp"] and r["tp"][1] == 2
+        assert r["ranks"] == r["expected"], r
+        assert r["summed"] == {name: len(members) for name, members in r["expected"].items()}
+        assert r["same_pp_handle"]
+
+
+def test_v1_broadcast_send_and_recv_from(ranks) -> None:
+    res = ranks.run(4, v1_api_cases.p2p_case)
+    for rank, got in enumerate(res):
+        if rank:
+            assert got["world"]["from"] == 0 and torch.equal(got["world"]["t"], torch.arange(3))
+        assert got["collective"] == "from 2"
+    # TP groups are (0, 1) and (2, 3); tp rank 1 of each broadcast to its partner
+    assert res[0]["tp"] == ("tp", 1) and res[2]["tp"] == ("tp", 3)
+    assert "tp" not in res[1] and "tp" not in res[3]
+    assert res[3]["ordered"] == ["first", "second"]
+
+
+def test_v1_p2p_errors_name_the_rule_and_the_peer(ranks) -> None:
+    res = ranks.run(4, v1_api_cases.p2p_errors_case)
+    for errors in res:
+        assert "is this rank itself" in errors["self"]
+        assert "rank 5 is not a TP_RANK of this rank's group" in errors["range"] and "pass 0..1" in errors["range"]
+        assert errors["type"].startswith("TypeError: smp.recv_from(src_rank=0, 'world'): rank_type must be")
+    timeout = res[1]["timeout"]
+    assert "global rank 2 sending" in timeout and "collective_timeout_s=3 s" in timeout, timeout
+    assert 2.5 <= float(res[1]["waited"]) <= 13.0

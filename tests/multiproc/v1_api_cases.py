@@ -1,0 +1,94 @@
+"""SageMaker model-parallel v1 rank/group queries and point-to-point object helpers, run on real
+gloo ranks (tests/multiproc/test_v1_api.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import shardpar as smp
+
+TP2 = {"tensor_parallel_degree": 2, "prescaled_batch": True}
+
+
+def groups_case() -> dict[str, Any]:
+    smp.init(TP2)
+    topo = smp.get_topology()
+    handles = {
+        "dp": smp.get_dp_process_group(),
+        "mp": smp.get_mp_process_group(),
+        "tp": smp.get_tp_process_group(),
+        "rdp": smp.get_rdp_process_group(),
+        "pp": smp.get_pp_process_group(),
+    }
+    ranks = {name: dist.get_process_group_ranks(h) for name, h in handles.items()}
+    summed = {}
+    for name, h in handles.items():  # each handle is a usable group of exactly those ranks
+        t = torch.ones(1)
+        dist.all_reduce(t, group=h)
+        summed[name] = int(t.item())
+    return {
+        "rank": smp.rank(),
+        "pp": (smp.pp_rank(), smp.pp_size()),
+        "mp": (smp.mp_rank(), smp.mp_size()),
+        "tp": (smp.tp_rank(), smp.tp_size()),
+        "ranks": ranks,
+        "expected": {
+            "dp": list(range(smp.size())),
+            "mp": list(topo.group("tp").ranks),
+            "tp": list(topo.group("tp").ranks),
+            "rdp": list(topo.group("rdp").ranks),
+            "pp": [smp.rank()],
+        },
+        "summed": summed,
+        "same_pp_handle": smp.get_pp_process_group() is handles["pp"],
+    }
+
+
+def p2p_case() -> dict[str, Any]:
+    """The v1 idioms: a sender-only broadcast over WORLD and over the TP group, and ordered sends."""
+    smp.init(TP2)
+    me = smp.rank()
+    got: dict[str, Any] = {}
+    if me == 0:
+        assert smp.broadcast({"from": 0, "t": torch.arange(3)}, smp.WORLD) is None
+    else:
+        got["world"] = smp.recv_from(0, smp.RankType.WORLD_RANK)
+    if smp.tp_rank() == 1:
+        smp.broadcast(("tp", me), smp.TP_GROUP)
+    else:
+        got["tp"] = smp.recv_from(1, smp.RankType.TP_RANK)
+    if me == 1:
+        smp.send("first", 3, smp.RankType.WORLD_RANK)
+        smp.send("second", 3, smp.RankType.DP_RANK)  # DP == WORLD (pipeline_parallel_degree 1)
+    if me == 3:
+        got["ordered"] = [smp.recv_from(1, smp.RankType.WORLD_RANK), smp.recv_from(1, smp.RankType.WORLD_RANK)]
+    # the collective form, with src: every member calls it
+    got["collective"] = smp.broadcast(f"from {2}" if me == 2 else None, smp.WORLD, src=2)
+    return got
+
+
+def p2p_errors_case() -> dict[str, Any]:
+    smp.init({**TP2, "collective_timeout_s": 3.0})
+    me = smp.rank()
+    errors: dict[str, str] = {}
+    for name, call in {
+        "self": lambda: smp.recv_from(0, smp.RankType.PP_RANK),
+        "range": lambda: smp.send(1, 5, smp.RankType.TP_RANK),
+        "type": lambda: smp.recv_from(0, "world"),  # type: ignore[arg-type]
+    }.items():
+        try:
+            call()
+        except (ValueError, TypeError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    if me == 1:  # rank 2 never sends: a bounded wait that names it
+        start = time.monotonic()
+        try:
+            smp.recv_from(2, smp.RankType.WORLD_RANK)
+        except TimeoutError as exc:
+            errors["timeout"] = str(exc)
+        errors["waited"] = f"{time.monotonic() - start:.1f}"
+    return errors  # no barrier: the others would time out in it while rank 1 waits
