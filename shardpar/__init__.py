@@ -7,6 +7,7 @@ The facade: re-exports only (the names are defined in api/ and below; docs/desig
 """
 
 from shardpar import api as _api
+from shardpar import nn
 from shardpar.api import *  # noqa: F403  the smp names, listed in shardpar.api.__all__
 from shardpar.checkpoint import CheckpointError
 from shardpar.config import Config
@@ -14,4 +15,4 @@ from shardpar.topology import Plan, Topology, plan
 
 __version__ = "0.1.0"
 
-__all__ = [*_api.__all__, "CheckpointError", "Config", "Plan", "Topology", "__version__", "plan"]
+__all__ = [*_api.__all__, "CheckpointError", "Config", "Plan", "Topology", "__version__", "nn", "plan"]

@@ -47,6 +47,7 @@ from shardpar.api.groups import (
     pp_rank,
     pp_size,
 )
+from shardpar.api.memory import memory_metrics
 from shardpar.api.p2p import broadcast, recv_from, send
 from shardpar.api.step import StepOutput
 from shardpar.api.training import (
@@ -92,6 +93,7 @@ __all__ = [
     "is_initialized",
     "local_rank",
     "local_size",
+    "memory_metrics",
     "mp_rank",
     "mp_size",
     "pp_rank",

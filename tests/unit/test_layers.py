@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ("shardpar.config", "shardpar.config_v1", "shardpar.collectives", "shardpar.topology", "shardpar.precision"),
     ),
     ("sharding", ("shardpar.sharding",)),
-    ("tensor_parallel", ("shardpar.tensor_parallel",)),
+    ("tensor_parallel", ("shardpar.tensor_parallel", "shardpar.nn")),
     ("runtime", ("shardpar.runtime",)),
     ("optim", ("shardpar.optim",)),
     ("checkpoint", ("shardpar.checkpoint",)),
