@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -96,6 +96,53 @@ def delay_param_initialization(enabled: bool = True) -> AbstractContextManager[N
     only its shards (one full parameter at a time), with the values a normal init would give.
     `enabled=False` (SMP v1's signature) builds the model normally."""
     return deferred_init() if enabled else contextlib.nullcontext()
+
+
+# v1's tensor-parallel config keywords (for DistributedTransformer) that choose kernels, not results:
+# accepted, and documented in migration.md. HF attention already computes its softmax in fp32.
+_V1_KERNEL_SWITCHES = {
+    "attention_in_fp32",
+    "query_key_layer_scaling",
+    "fused_softmax",
+    "fused_bias_gelu",
+    "fused_dropout",
+    "fused_bias_dropout",
+    "fused_layernorm",
+}
+
+
+@contextlib.contextmanager
+def model_creation(
+    tensor_parallelism: bool = False, dtype: torch.dtype | None = None, **tensor_parallel_config: Any
+) -> Iterator[None]:
+    """SMP v1's one context for building a model: `smp.tensor_parallelism(tensor_parallelism)`, the
+    model created in `dtype` (default: torch's default dtype), and -- when the config sets
+    `delayed_parameter_initialization` -- `smp.delay_param_initialization()`, so no parameter memory
+    is made. `vocab_parallel_loss=` is passed on to tensor parallelism; v1's kernel switches
+    (`attention_in_fp32`, `fused_*`, ...) are accepted and change nothing (see migration.md)."""
+    unknown = set(tensor_parallel_config) - _V1_KERNEL_SWITCHES - {"vocab_parallel_loss"}
+    if unknown:
+        raise TypeError(
+            f"smp.model_creation got unknown keyword(s) {sorted(unknown)}; it takes tensor_parallelism, dtype, "
+            f"vocab_parallel_loss and v1's kernel switches {sorted(_V1_KERNEL_SWITCHES)}"
+        )
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(
+            f"smp.model_creation(dtype={dtype!r}): pass a floating-point torch.dtype such as torch.bfloat16"
+        )
+    vocab_parallel = bool(tensor_parallel_config.get("vocab_parallel_loss", False))
+    delay = state().config.delayed_parameter_initialization
+    previous = torch.get_default_dtype()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            _TP_MARKS.building(TPOptions(enabled=tensor_parallelism, vocab_parallel_loss=vocab_parallel))
+        )
+        if delay:
+            stack.enter_context(deferred_init())
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+            stack.callback(torch.set_default_dtype, previous)
+        yield
 
 
 def DistributedOptimizer(

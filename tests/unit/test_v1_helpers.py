@@ -74,3 +74,45 @@ def test_memory_metrics_reads_this_process(world_of_one: None, caplog: pytest.Lo
     assert "rank 0 memory (cpu): rss" in caplog.text
     assert smp.memory_metrics(log=False).keys() == m.keys()
     del big
+
+
+def test_model_creation_delays_initialisation_and_sets_the_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `delayed_parameter_initialization` the model is built without parameter memory (meta), in
+    the asked dtype, and wrapping gives exactly the values a normal build in that dtype gives."""
+    from tests.conftest import init_world_of_one
+
+    with init_world_of_one(monkeypatch, delayed_parameter_initialization=True):
+        torch.manual_seed(0)
+        with smp.model_creation(dtype=torch.bfloat16, attention_in_fp32=True, fused_softmax=True):
+            model = models.tiny_neox()
+        assert torch.get_default_dtype() == torch.float32
+        assert {(p.dtype, p.is_meta) for p in model.parameters()} == {(torch.bfloat16, True)}
+        wrapped = smp.DistributedModel(model)
+        torch.manual_seed(0)
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            ref = models.tiny_neox().state_dict()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        got = wrapped.state_dict()
+        assert all(torch.equal(got[k], ref[k].float()) for k in ref)
+
+
+def test_model_creation_marks_tensor_parallelism_and_checks_its_arguments(world_of_one: None) -> None:
+    from shardpar.api.context import _TP_MARKS
+
+    with smp.model_creation(tensor_parallelism=True, vocab_parallel_loss=True):
+        model = models.tiny_neox()
+    marks = _TP_MARKS.resolve(model, None)
+    options = {o for o in marks.values() if o is not None}
+    assert options and all(o.enabled and o.vocab_parallel_loss for o in options)
+    with (
+        pytest.raises(TypeError, match=r"unknown keyword\(s\) \['fused_everything'\]"),
+        smp.model_creation(fused_everything=True),
+    ):
+        pass
+    with pytest.raises(TypeError, match=r"dtype=torch.int8.*floating-point"), smp.model_creation(dtype=torch.int8):
+        pass
+    with pytest.raises(RuntimeError, match="boom"), smp.model_creation(dtype=torch.float16):
+        raise RuntimeError("boom")
+    assert torch.get_default_dtype() == torch.float32  # restored after an error inside
