@@ -39,19 +39,56 @@ def register_parameter(module: nn.Module, param: nn.Parameter) -> None:
         params.append(param)
 
 
+# SMP v1's DistributedModel arguments that tuned its tracer or its DDP wrapper: accepted with their v1
+# types, changing nothing here (there is no tracer, and shardpar's reducer is not DDP's).
+_V1_MODEL_ARGS: dict[str, tuple[tuple[type, ...], str]] = {
+    "trace_device": ((str,), "'cpu' or 'gpu'"),
+    "trace_execution_times": ((bool,), "true or false"),
+    "trace_memory_usage": ((bool,), "true or false"),
+    "overlapping_allreduce": ((bool,), "true or false"),
+    "bucket_cap_mb": ((int, float), "a number of MB > 0"),
+    "broadcast_buffers": ((bool,), "true or false"),
+    "gradient_as_bucket_view": ((bool,), "true or false"),
+}
+
+
+def _check_v1_model_args(args: dict[str, Any]) -> None:
+    for name, value in args.items():
+        if name not in _V1_MODEL_ARGS:
+            raise TypeError(
+                f"smp.DistributedModel got an unexpected keyword argument {name!r}; it takes backward_passes_per_step, "
+                f"wrap, tensor_parallelism, average_grads_across_microbatches and v1's {sorted(_V1_MODEL_ARGS)}"
+            )
+        types, valid = _V1_MODEL_ARGS[name]
+        ok = isinstance(value, types) and (not isinstance(value, bool) or bool in types)
+        ok = ok and (name != "trace_device" or value in ("cpu", "gpu")) and (name != "bucket_cap_mb" or value > 0)
+        if not ok:
+            raise ValueError(f"smp.DistributedModel({name}={value!r}): must be {valid}, as in SageMaker v1")
+
+
 def DistributedModel(
     module: nn.Module,
     *,
     backward_passes_per_step: int = 1,
     wrap: WrapPolicy = None,
     tensor_parallelism: bool = False,
+    average_grads_across_microbatches: bool = True,
+    **v1_args: Any,
 ) -> _DistributedModel:
     """Shard `module` over the sharding group (reference 003); returns the wrapped model.
 
     With `tensor_parallelism=True`, or for a model built under `smp.tensor_parallelism()`, the Hugging
     Face model's blocks and embeddings are first split in place over the TP group; each TP rank then
     shards its local parameters inside its sharding group (docs/tensor_parallelism.md).
+    `average_grads_across_microbatches=False` sums the micro-batches' gradients under `@smp.step`
+    (SMP v1; for a loss that sums over samples). SMP v1's tracer and DDP arguments (`trace_device`,
+    `overlapping_allreduce`, `bucket_cap_mb`, ...) are accepted and change nothing.
     """
+    _check_v1_model_args(v1_args)
+    if not isinstance(average_grads_across_microbatches, bool):
+        raise ValueError(
+            f"average_grads_across_microbatches={average_grads_across_microbatches!r} must be True or False"
+        )
     st = state()
     if isinstance(module, _DistributedModel):
         raise ValueError("the module is already a DistributedModel; wrap the plain module once")
@@ -74,6 +111,8 @@ def DistributedModel(
         registered=registered,
         device=st.device,
         premade=[p for m in module.modules() if isinstance(m, TPLayer) for p in m.parameters()],
+        average_grads_across_microbatches=average_grads_across_microbatches,
+        find_optimizer=lambda: st.optimizer,
     )
     st.model = model
     return model

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from shardpar.collectives import Engine
 from shardpar.config import Config
@@ -49,9 +50,15 @@ class DistributedModel(nn.Module):
         registered: _Registered | None = None,
         device: torch.device | None = None,
         premade: Collection[nn.Parameter] = (),
+        average_grads_across_microbatches: bool = True,
+        find_optimizer: Callable[[], Any] = lambda: None,
     ) -> None:
         super().__init__()
-        self.window = AccumulationWindow(backward_passes_per_step)  # validates it first
+        self.window = AccumulationWindow(  # validates backward_passes_per_step first
+            backward_passes_per_step, average_microbatches=average_grads_across_microbatches
+        )
+        self._find_optimizer = find_optimizer  # for post-partition hooks (the facade's optimizer)
+        self._post_partition_hooks: OrderedDict[int, Callable[[Any, Any], None]] = OrderedDict()  # weakref-able
         if config.delayed_parameter_initialization:
             check_nothing_materialised(module, premade=premade)
         self.module = module
@@ -220,7 +227,30 @@ class DistributedModel(nn.Module):
     # ---- nn.Module surface --------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._post_partition_hooks:
+            self._run_post_partition_hooks()
         return self.module(*args, **kwargs)
+
+    def get_module(self) -> nn.Module:
+        """SMP v1: the wrapped module (`model.module`)."""
+        return self.module
+
+    def register_post_partition_hook(self, hook: Callable[[Any, Any], None]) -> RemovableHandle:
+        """SMP v1: `hook(model, optimizer)` runs once, before the first forward -- the model is
+        partitioned (sharded) when it is wrapped, so that is the first moment both exist. Returns a
+        handle whose `remove()` cancels it."""
+        if not callable(hook):
+            raise TypeError(f"register_post_partition_hook needs a callable hook(model, optimizer), got {hook!r}")
+        handle = RemovableHandle(self._post_partition_hooks)
+        self._post_partition_hooks[handle.id] = hook
+        return handle
+
+    def _run_post_partition_hooks(self) -> None:
+        hooks = list(self._post_partition_hooks.values())
+        self._post_partition_hooks.clear()  # once, even if one raises
+        optimizer = self._find_optimizer()
+        for hook in hooks:
+            hook(self, optimizer)
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, scaled by the fp16 loss scale (the optimizer divides it out again).

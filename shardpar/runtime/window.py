@@ -22,8 +22,11 @@ from contextlib import contextmanager
 
 
 class AccumulationWindow:
-    def __init__(self, backward_passes_per_step: int) -> None:
+    def __init__(self, backward_passes_per_step: int, *, average_microbatches: bool = True) -> None:
         self._per_step = _checked(backward_passes_per_step)
+        # SMP v1's average_grads_across_microbatches: False sums the micro-batches' gradients (for a
+        # loss that sums over samples instead of averaging).
+        self._average = average_microbatches
         self._microbatches = 1  # of the running smp.step
         self._done = 0  # backward passes of the open window
         self._length = self._per_step  # the window's length at its last backward
@@ -49,8 +52,8 @@ class AccumulationWindow:
     @property
     def grad_scale(self) -> float:
         """The factor a backward's gradients enter the main grads with: 1 / micro-batches of the running
-        smp.step ([Note: micro-batch averaging] in model.py)."""
-        return 1.0 / self._microbatches
+        smp.step ([Note: micro-batch averaging] in model.py), or 1 when micro-batches are summed."""
+        return 1.0 / self._microbatches if self._average else 1.0
 
     @property
     def ends_window(self) -> bool:

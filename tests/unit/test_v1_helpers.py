@@ -116,3 +116,55 @@ def test_model_creation_marks_tensor_parallelism_and_checks_its_arguments(world_
     with pytest.raises(RuntimeError, match="boom"), smp.model_creation(dtype=torch.float16):
         raise RuntimeError("boom")
     assert torch.get_default_dtype() == torch.float32  # restored after an error inside
+
+
+def _sgd_step_delta(monkeypatch: pytest.MonkeyPatch, average: bool) -> dict[str, torch.Tensor]:
+    from tests.conftest import init_world_of_one
+
+    with init_world_of_one(monkeypatch, microbatches=2, sdp_gradient_clipping=0.0):
+        torch.manual_seed(0)
+        model = smp.DistributedModel(
+            models.tiny_neox(), average_grads_across_microbatches=average, trace_device="cpu", bucket_cap_mb=25
+        )
+        opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+        before = model.state_dict()
+
+        @smp.step
+        def train_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss = model(**batch).loss
+            model.backward(loss)
+            return loss
+
+        train_step(model, models.lm_batch(0, 4))
+        opt.step()
+        after = model.state_dict()
+        return {k: after[k] - before[k] for k in before}
+
+
+def test_average_grads_across_microbatches_false_sums_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """v1: the gradients of the micro-batches are summed, not averaged: twice the step at 2 micro-batches."""
+    averaged, summed = _sgd_step_delta(monkeypatch, True), _sgd_step_delta(monkeypatch, False)
+    assert max(a.abs().max().item() for a in averaged.values()) > 0
+    for k in averaged:
+        torch.testing.assert_close(summed[k], 2 * averaged[k], rtol=1e-5, atol=1e-6)  # deltas of O(1) values
+
+
+def test_v1_model_arguments_module_access_and_post_partition_hook(world_of_one: None) -> None:
+    with pytest.raises(ValueError, match=r"trace_device='tpu'\): must be 'cpu' or 'gpu'"):
+        smp.DistributedModel(models.tiny_neox(), trace_device="tpu")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'trace_devices'"):
+        smp.DistributedModel(models.tiny_neox(), trace_devices="cpu")
+    model = smp.DistributedModel(models.tiny_neox(), overlapping_allreduce=False, broadcast_buffers=True)
+    assert model.get_module() is model.module
+    calls: list[tuple[object, object]] = []
+    model.register_post_partition_hook(lambda m, o: calls.append((m, o)))
+    removed = model.register_post_partition_hook(lambda m, o: calls.append(("removed", o)))
+    removed.remove()
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not calls  # not before the first forward
+    batch = models.lm_batch(0, 2)
+    model(**batch)
+    model(**batch)
+    assert calls == [(model, opt)]  # once, with the model and its optimizer
+    with pytest.raises(TypeError, match="needs a callable"):
+        model.register_post_partition_hook(3)  # type: ignore[arg-type]
