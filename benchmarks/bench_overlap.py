@@ -9,7 +9,7 @@ while this one computes); "blocked" = time the hooks waited for AllGathers (`Uni
 `--mode replication` (sdp 1, plain data parallelism, one bucket per unit, i.e. per block): the bucket's
 replication AllReduce issued as the bucket closes, during backward ([Note: replication in the bucket]),
 against the per-unit AllReduce after backward; "blocked" = time spent at the end of backward
-(`DistributedModel._finish_backward`: waiting for the buckets, the AllReduces not yet done).
+(`ModelHooks._finish_backward` in runtime/hooks.py: waiting for the buckets, the AllReduces not yet done).
 
 With overlap, the blocked time drops even where the step time cannot (2 cores shared by compute and
 the engine's communication thread).
@@ -61,7 +61,7 @@ def _neox(hidden: int, layers: int) -> torch.nn.Module:
 
 def _rank(mode: str, variant: int, steps: int, hidden: int, layers: int) -> dict[str, Any]:
     import shardpar as smp
-    from shardpar.runtime import model as model_mod
+    from shardpar.runtime import hooks as hooks_mod
     from shardpar.runtime import unit as unit_mod
 
     blocked = [0.0]
@@ -72,7 +72,7 @@ def _rank(mode: str, variant: int, steps: int, hidden: int, layers: int) -> dict
         undo = _timed(unit_mod.Unit, "wait_for_unshard", blocked)
     else:
         knobs.update(sharded_data_parallel_degree=1, sdp_reduce_bucket_size=1)  # a bucket per unit
-        undo = _timed(model_mod.DistributedModel, "_finish_backward", blocked)
+        undo = _timed(hooks_mod.ModelHooks, "_finish_backward", blocked)
     smp.init(knobs)
     model = smp.DistributedModel(_neox(hidden, layers))
     if mode == "prefetch":

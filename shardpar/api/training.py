@@ -1,6 +1,6 @@
 """The `smp` facade, training half: DistributedModel, DistributedOptimizer, step, register_parameter,
 tensor_parallelism, delay_param_initialization and checkpoints. The process-wide state these read
-and fill lives in api.py.
+and fill lives in context.py.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from torch import nn
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.placement import Cut
 from shardpar.optim.optimizer import DistributedOptimizer
-from shardpar.runtime import state_dict as model_state
 from shardpar.runtime.model import DistributedModel
+from shardpar.runtime.state_dict import persistent_buffers as module_persistent_buffers
 from shardpar.tensor_parallel.layers import tp_split_table
 
 
@@ -78,7 +78,7 @@ def persistent_buffers(model: DistributedModel) -> dict[str, torch.Tensor]:
     registered under several names is written once, under its first."""
     seen: set[int] = set()
     out: dict[str, torch.Tensor] = {}
-    for name, b in model_state.persistent_buffers(model.module).items():
+    for name, b in module_persistent_buffers(model.module).items():
         if id(b) not in seen:
             seen.add(id(b))
             out[name] = b

@@ -1,6 +1,6 @@
 """`shardpar estimate`: per-device memory of a sharded training job, and the smallest sharding degree
 that fits. Pure arithmetic on the model's *unit* sizes -- the same units, persistence split and
-padding that `DistributedModel` builds (units.py, layout.py) -- so model-state bytes match what a
+padding that `DistributedModel` builds (sharding/plan.py, sharding/layout.py) -- so model-state bytes match what a
 run keeps alive (tests/multiproc/test_recipe.py compares them with live tensors).
 
 Per device, with S = this rank's sharded elements (sum over units of ceil(numel / tp / sdp)) and

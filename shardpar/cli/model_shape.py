@@ -1,5 +1,5 @@
 """The model side of `shardpar estimate`: a model's dimensions and the parameter count of each unit
-DistributedModel would build from it (units.py), with the persistence split. From an `nn.Module`
+DistributedModel would build from it (sharding/plan.py), with the persistence split. From an `nn.Module`
 (also on the meta device), a Hugging Face config, a bare parameter count, or one of reference 003's
 models."""
 

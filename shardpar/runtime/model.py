@@ -107,6 +107,8 @@ class DistributedModel(nn.Module):
             on_window_end=self._agree_on_unused_params,
         )
         self._hooks.install()
+        self._nested_prefix: str | None = None  # set while a parent's load_state_dict passes through
+        self.register_load_state_dict_post_hook(DistributedModel._forget_inner_missing)
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -210,15 +212,29 @@ class DistributedModel(nn.Module):
         """The accumulation window's backward passes per step, from the next backward on."""
         self.window.set_backward_passes_per_step(backward_passes_per_step)
 
+    # The window owns these; the properties keep the attributes scripts set and read (a plain setattr
+    # on nn.Module would otherwise create a new attribute the window never sees).
     @property
     def backward_passes_per_step(self) -> int:
-        """Read-only: `set_backward_passes_per_step` changes it."""
         return self.window.backward_passes_per_step
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, value: int) -> None:
+        self.window.set_backward_passes_per_step(value)
 
     @property
     def loss_scale(self) -> float:
         """What `backward` multiplies the loss by: the DistributedOptimizer's fp16 loss scale."""
         return self.window.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.window.set_loss_scale(value)
+
+    @property
+    def num_backward(self) -> int:
+        """Backward passes so far (read-only)."""
+        return self.window.num_backward
 
     def set_live_trace(self, enabled: bool) -> None:
         """Record (unit, delta, live elements) at every gather and free, in `model.live.trace`."""
@@ -304,8 +320,9 @@ class DistributedModel(nn.Module):
         for key, value in full.items():
             out[prefix + key] = value
         metadata = getattr(out, "_metadata", None)
-        if metadata is not None:  # a parent's state_dict: the versions its load_state_dict reads
-            metadata.update(getattr(self.module.state_dict(prefix=prefix, keep_vars=True), "_metadata", {}))
+        if metadata is not None:  # a parent's state_dict: the module versions its load_state_dict reads
+            for name, m in self.module.named_modules():
+                metadata[(prefix + name).rstrip(".")] = {"version": m._version}
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -321,16 +338,39 @@ class DistributedModel(nn.Module):
             )
         return load_full_state_dict(self.sharded_state, self.module, state_dict, strict)
 
-    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        """nn.Module's recursion, when a parent's load_state_dict reaches this model: the inner
-        module's parameters are views of shards (size 0 outside forward), so torch would report every
-        key missing or, with strict=False, load nothing without a word. Refused instead."""
-        raise ValueError(
-            f"load_state_dict through a parent module reached the DistributedModel at {prefix!r}: its "
-            "sharded parameters load only through its own load_state_dict. Load the parent's other "
-            f"entries first, then call .load_state_dict({{k[len({prefix!r}):]: v for k, v in sd.items() "
-            f"if k.startswith({prefix!r})}}) on the wrapped model"
-        )
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """A parent's load_state_dict reaching this model: load the keys under `prefix` (the unwrapped
+        model's keys, as `state_dict(prefix=...)` writes them) into the shards, and report missing and
+        unexpected ones and errors as nn.Module does. torch then recurses into `self.module`, whose
+        parameters are size-0 views outside forward and whose keys (`<prefix>module.*`) the dict never
+        holds: `_forget_inner_missing` takes those from the missing keys afterwards."""
+        mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        try:
+            result = load_full_state_dict(self.sharded_state, self.module, mine, strict=False)
+        except ValueError as exc:  # a size mismatch or disagreeing tied names: torch collects errors
+            error_msgs.append(str(exc))
+            return
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+        self._nested_prefix = prefix
+
+    @staticmethod
+    def _forget_inner_missing(model: DistributedModel, incompatible: Any) -> None:
+        prefix = model._nested_prefix
+        if prefix is None:
+            return
+        inner = prefix + "module."
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(inner)]
+        model._nested_prefix = None
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every sharded parameter (1-D) and every persistent parameter."""

@@ -100,7 +100,7 @@ class PersistentParams:
 
     def load(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set the parameters `values` names, keyed by this table's names (one per parameter: a tied
-        parameter's other names are resolved by the caller, model_state.load_full_state_dict)."""
+        parameter's other names are resolved by the caller, state_dict.load_full_state_dict)."""
         with torch.no_grad():
             for i, (name, _) in enumerate(self.named):
                 if name in values:

@@ -395,7 +395,7 @@ def keep_and_newest_case(root: str) -> dict[str, Any]:
         _save(root, "t5", model, opt, user_content={"f": lambda: 0})
     except TypeError as e:
         errors["content"] = str(e)
-    model.set_backward_passes_per_step(2)  # one backward of a window of two: its gradients exist nowhere on disk
+    model.backward_passes_per_step = 2  # one backward of a window of two: its gradients exist nowhere on disk
     batch = models.mlp_batch(5, 2)
     model.backward(model(x=batch["x"].to(model.policy.compute), y=batch["y"]))
     try:
@@ -424,7 +424,7 @@ def window_change_case(root: str) -> dict[str, Any]:
         _save(root, "w_full", model, opt, partial=False, full_dtype=torch.int8)
     except ValueError as e:
         errors["full_dtype"] = str(e)
-    model.set_backward_passes_per_step(2)
+    model.backward_passes_per_step = 2
     _resume(root, "w", model, opt)
     r, n = smp.rdp_rank(), smp.rdp_size()
     batch = models.mlp_batch(2000, 2 * n)

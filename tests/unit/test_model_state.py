@@ -124,13 +124,29 @@ def test_a_missing_attribute_is_an_attribute_error_naming_it(world_of_one: None)
     assert not hasattr(unbuilt, "nope")
 
 
-def test_loading_through_a_parent_is_refused_not_silently_skipped(world_of_one: None) -> None:
-    """torch's load_state_dict recursion would see size-0 parameters: every key missing, or with
-    strict=False nothing loaded without a word."""
+def test_a_parent_loads_and_saves_the_wrapped_model_through_its_own_state_dict(world_of_one: None) -> None:
+    """nn.Module's recursion reaches the wrapper: keys under its prefix (the unwrapped model's names) load
+    into the shards; missing, unexpected and mis-shaped keys are reported as torch reports them."""
     parent = nn.Module()
+    parent.head = nn.Linear(3, 3)
     parent.wrapped = _model()
     state = parent.state_dict()
-    assert "wrapped.embed.weight" in state
-    for strict in (True, False):
-        with pytest.raises(ValueError, match=r"through a parent module reached the DistributedModel at 'wrapped\.'"):
-            parent.load_state_dict(state, strict=strict)
+    assert "wrapped.embed.weight" in state and "head.weight" in state
+    changed = {k: v + 1.0 for k, v in state.items()}
+    result = parent.load_state_dict(changed)
+    assert not result.missing_keys and not result.unexpected_keys
+    after = parent.state_dict()
+    assert all(torch.equal(after[k], changed[k]) for k in state), "a key did not load"
+    tied = ("wrapped.embed.weight", "wrapped.head.weight")  # one parameter under two names: missing when both go
+    partial = {k: v for k, v in state.items() if k not in tied}
+    partial["wrapped.nope"] = torch.zeros(1)
+    with pytest.raises(
+        RuntimeError, match=r"(?s)Missing key\(s\).*wrapped\.embed\.weight.*Unexpected key\(s\).*wrapped\.nope"
+    ):
+        parent.load_state_dict(partial)
+    result = parent.load_state_dict(partial, strict=False)
+    assert result.missing_keys == list(tied) and result.unexpected_keys == ["wrapped.nope"]
+    bad = dict(state)
+    bad["wrapped.embed.weight"] = torch.zeros(2, 2)
+    with pytest.raises(RuntimeError, match=r"size mismatch for embed\.weight"):
+        parent.load_state_dict(bad)

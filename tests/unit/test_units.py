@@ -1,4 +1,4 @@
-"""units.py's choice of units (`wrap=`) and parameter owners, and the persistence threshold's boundary."""
+"""sharding/plan.py's choice of units (`wrap=`) and parameter owners, and the persistence threshold's boundary."""
 
 from __future__ import annotations
 
