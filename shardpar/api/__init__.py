@@ -49,6 +49,7 @@ from shardpar.api.groups import (
 )
 from shardpar.api.memory import memory_metrics
 from shardpar.api.p2p import broadcast, recv_from, send
+from shardpar.api.save import load, save
 from shardpar.api.step import StepOutput
 from shardpar.api.training import (
     DistributedModel,
@@ -92,6 +93,7 @@ __all__ = [
     "get_tp_process_group",
     "init",
     "is_initialized",
+    "load",
     "local_rank",
     "local_size",
     "memory_metrics",
@@ -109,6 +111,7 @@ __all__ = [
     "register_parameter",
     "replica_rank",
     "resume_from_checkpoint",
+    "save",
     "save_checkpoint",
     "sdp_rank",
     "sdp_size",
