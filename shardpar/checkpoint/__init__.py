@@ -6,7 +6,8 @@ atomic writes, Hugging Face export. See docs/checkpoints.md.
         newest_full         tag of the newest full checkpoint
         <tag>_partial/      partial=True: index.json + safetensors pieces (index.py)
         <tag>/              partial=False: a Hugging Face model directory (full.py)
-        .tmp-<tag>-<id>/    a save in progress, or one that crashed (removed by the next save)
+        .tmp-<tag>-<id>/    a save in progress (locked), or one that crashed (removed by the next save or
+                            resume: [Note: stale temporary entries] in atomic.py)
 
 The facade (`smp.save_checkpoint`, `smp.resume_from_checkpoint`) passes the model, optimizer,
 topology and engine of `smp.init()`; these functions take them explicitly.
@@ -84,25 +85,29 @@ def save_checkpoint(
     if max_shard_size is not None and max_shard_size < 1:
         raise ValueError(f"max_shard_size={max_shard_size} must be a positive number of bytes (or None: one file)")
     root, coord = Path(path), Coordinator(topology, engine)
+    held: list[atomic.TmpDir] = []  # rank 0: the temporary directory, locked while this save is in flight
 
     def prepare() -> tuple[str, str, Any]:
         content = ix.encode(user_content, where="user_content")  # before any file exists
-        tmp, checkpoint_id = atomic.make_tmp_dir(root, tag)
-        return tmp, checkpoint_id, content
+        held.append(atomic.make_tmp_dir(root, tag))
+        return str(held[0].path), held[0].checkpoint_id, content
 
-    tmp, checkpoint_id, content = coord.on_root("save_checkpoint: preparing", prepare)
     try:
-        if partial:
-            return _save_partial(
-                coord, root, tag, Path(tmp), checkpoint_id, content, model, optimizer, num_kept_partial_checkpoints
-            )
-        return _save_full(
-            coord, root, tag, Path(tmp), checkpoint_id, content, model, translate_if_full, max_shard_size, full_dtype
-        )
-    except BaseException:
-        if coord.is_root and Path(tmp).exists():
-            atomic.remove_dir(Path(tmp))
-        raise
+        tmp, checkpoint_id, content = coord.on_root("save_checkpoint: preparing", prepare)
+        try:
+            if partial:
+                return _save_partial(
+                    coord, root, tag, Path(tmp), checkpoint_id, content, model, optimizer, num_kept_partial_checkpoints
+                )
+            export = (translate_if_full, max_shard_size, full_dtype)
+            return _save_full(coord, root, tag, Path(tmp), checkpoint_id, content, model, *export)
+        except BaseException:
+            if coord.is_root and Path(tmp).exists():
+                atomic.remove_dir(Path(tmp))
+            raise
+    finally:
+        for t in held:  # after the directory was published or removed: never swept while in flight
+            t.release()
 
 
 def _save_partial(
@@ -196,10 +201,13 @@ def resume_from_checkpoint(
     # The resumed run then starts a window of its own (backward_passes_per_step and micro-batches may
     # differ from the saving run's): a partial save is taken at a window's end and a full one saves no
     # gradients, so the saved backward count is not restored.
+    if tag is not None:
+        atomic.check_tag(tag)  # as save does: "../x" would read outside `path`
     model.window.check_save("resume_from_checkpoint", "would be added to the loaded model's first step; resume")
     root, coord = Path(path), Coordinator(topology, engine)
-    # A re-save that crashed between its two renames is undone first ([Note: re-saving a tag]).
-    coord.on_root("resume_from_checkpoint: recovering", lambda: atomic.recover(root))
+    # A re-save that crashed between its two renames is undone first ([Note: re-saving a tag]), and
+    # what crashed saves left is removed ([Note: stale temporary entries]).
+    coord.on_root("resume_from_checkpoint: recovering", lambda: atomic.sweep(root))
     if partial:
         job: _reshard.LoadJob | None = None
 
@@ -235,6 +243,8 @@ def load_consolidated(path: PathLike, tag: str | None = None) -> Iterator[tuple[
     is the unwrapped model's state_dict (tied parameters under their first name); TP-split
     parameters come back in the original (Hugging Face) layout, whatever tensor parallelism saved them.
     """
+    if tag is not None:
+        atomic.check_tag(tag)
     root = Path(path)
     atomic.recover(root)
     name = tag if tag is not None else atomic.read_pointer(root, "newest")
