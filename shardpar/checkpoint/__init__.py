@@ -29,7 +29,7 @@ from shardpar.checkpoint import index as ix
 from shardpar.checkpoint import partial as _partial
 from shardpar.checkpoint import reshard as _reshard
 from shardpar.checkpoint.atomic import Coordinator
-from shardpar.checkpoint.safetensors_io import CheckpointError, check_file
+from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, verify_share
 from shardpar.collectives import Engine
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
@@ -163,12 +163,12 @@ def _save_full(
     def commit() -> str:
         if sink is None:
             raise AssertionError("commit runs on rank 0")
-        sizes = sink.finish()
+        sink.finish()
         if len(files) > 1:
             atomic.write_json(tmp / _full.HF_INDEX, _full.hf_index(files))
         if translate:
             _full.write_hf_config(model.module, tmp, dtype or torch.float32)
-        atomic.write_json(tmp / _full.MANIFEST, _full.manifest(tag, checkpoint_id, sizes, content, model))
+        atomic.write_json(tmp / _full.MANIFEST, _full.manifest(tag, checkpoint_id, sink, content, model))
         final = root / tag
         atomic.publish_dir(tmp, final)
         atomic.write_text_atomic(root / "newest_full", tag)
@@ -258,4 +258,6 @@ def load_consolidated(path: PathLike, tag: str | None = None) -> Iterator[tuple[
             expect_tensors=ix.file_expectations(index, file),
             expect_metadata={"checkpoint_id": index["checkpoint_id"]},
         )
+    consolidated = ix.recorded_checksums(index, lambda key: key.startswith(("param/", "buffer/")))
+    verify_share(directory, consolidated, rank=0, world=1)
     return _reshard.consolidated(directory)

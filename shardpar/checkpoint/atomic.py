@@ -184,7 +184,7 @@ def make_tmp_dir(root: Path, tag: str) -> TmpDir:
     tmp = root / f"{TMP_PREFIX}{tag}-{checkpoint_id[:12]}"
     tmp.mkdir()
     state, fd = _try_lock(tmp)
-    if state is Lock.HELD_ELSEWHERE:
+    if state in (Lock.HELD_ELSEWHERE, Lock.GONE):
         raise OSError(f"{tmp}: another process removed or locked this new temporary directory; save again")
     return TmpDir(tmp, checkpoint_id, fd)
 
@@ -340,7 +340,8 @@ def sweep(root: Path, *, now: float | None = None) -> list[str]:
 
 class Lock(enum.Enum):
     GOT = "got"  # the caller now holds it (the fd returned with it)
-    HELD_ELSEWHERE = "held elsewhere"  # another open file holds it, or the entry is gone
+    HELD_ELSEWHERE = "held elsewhere"  # another open file holds it: in flight
+    GONE = "gone"  # someone else removed the entry meanwhile
     UNKNOWN = "unknown"  # this filesystem cannot lock
 
 
@@ -349,7 +350,7 @@ def _try_lock(path: Path) -> tuple[Lock, int | None]:
     try:
         fd = os.open(path, os.O_RDONLY if path.is_dir() else os.O_RDWR)
     except FileNotFoundError:
-        return Lock.HELD_ELSEWHERE, None
+        return Lock.GONE, None
     except OSError:
         return Lock.UNKNOWN, None
     try:

@@ -79,6 +79,9 @@ def test_damaged_checkpoints_raise_clear_errors_and_load_nothing(ranks, tmp_path
         "foreign": ("shard-00001.safetensors", "another checkpoint"),
         "piece": ("index.json", "pieces cover 124 of 169 elements"),
         "index": ("index.json", "not valid JSON"),
+        # 64 bytes of tensor data flipped, header untouched: one rank hashes it, every rank raises
+        "corrupt": ("corrupt_partial/shard-00001.safetensors", "tensor 'param/", "checksum mismatch"),
+        "corrupt_full": ("badfull/model.safetensors", "tensor 'blocks.", "checksum mismatch"),
         "nonexistent": ("nonexistent_partial", "missing"),
         "misfit": ("blocks.2", "not in the model"),
         "buffer": ("buffer marker: shape [4] in the model, [3] in the checkpoint",),
