@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 import shardpar as smp
 from shardpar.checkpoint import CheckpointError, checksum, load_consolidated
+from shardpar.checkpoint.safetensors_io import verify_tensors, write_tensors
 from tests.unit.test_checkpoint_hygiene import _build, _same, _state, _train
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -158,3 +161,22 @@ def test_verification_is_shared_so_every_tensor_is_hashed_by_exactly_one_rank() 
     assert sorted(x for s in shares for x in s) == sorted((f, k) for f, k, _ in items)
     loads = [sum(n for f, k, n in items if (f, k) in s) for s in shares]
     assert max(loads) == 900 and sorted(loads) == [425, 700, 900], loads
+
+
+def test_large_tensors_are_hashed_on_the_worker_thread_exactly_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors of 1 MiB and more go to checksum.Background's thread, a few MiB outstanding at most here."""
+    monkeypatch.setattr(checksum, "_MAX_PENDING_BYTES", 3 << 20)
+    torch.manual_seed(0)
+    tensors = {f"param/w{i}": torch.randn(n) for i, n in enumerate([300_000, 5, 700_000, 0, 400_000, 262_144])}
+    tensors["param/bf16"] = torch.randn(600_000).to(torch.bfloat16)
+    path = tmp_path / "big.safetensors"
+    sums = write_tensors(path, tensors, {"format": "pt"}).checksums
+    assert list(sums) == list(tensors)  # in write order
+    for key, t in tensors.items():
+        assert sums[key] == f"crc32:{zlib.crc32(t.view(torch.uint8).numpy().tobytes()):08x}", key
+    verify_tensors(path, label=str(path), expected=sums)
+    _flip(path, "param/w2")
+    with pytest.raises(CheckpointError, match=r"big\.safetensors: tensor 'param/w2': checksum mismatch"):
+        verify_tensors(path, label=str(path), expected=sums)
