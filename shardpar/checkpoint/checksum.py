@@ -97,6 +97,9 @@ class Background:
 
     `add` the buffer *before* writing it; `finish` after the file's fsync, which the hashing of the
     last tensors overlaps too. At most _MAX_PENDING_BYTES (plus one tensor) are waited for at a time.
+    [memory] a pending tensor keeps its storage alive until hashed; a full export `settle`s after each
+    unit, so it still holds one unit's full parameters at a time. Nothing writes into a pending
+    buffer: saves are synchronous and every gathered unit is a new tensor.
     """
 
     def __init__(self) -> None:
@@ -121,10 +124,14 @@ class Background:
         self._done[key] = text(value if isinstance(value, int) else value.result())
         self._pending_bytes -= nbytes
 
-    def finish(self) -> dict[str, str]:
-        """key -> checksum text, in the order added."""
+    def settle(self) -> None:
+        """Wait until everything added so far is hashed (its buffers may then be freed)."""
         while self._pending:
             self._settle_oldest()
+
+    def finish(self) -> dict[str, str]:
+        """key -> checksum text, in the order added."""
+        self.settle()
         self.close()
         return self._done
 

@@ -189,6 +189,14 @@ class Sink:
         self.checksums[name] = self._writer.checksums
         self._writer = None
 
+    def end_unit(self) -> None:
+        """A unit's tensors are all written: wait for their checksums, which hold the unit's buffer."""
+        if self._writer is not None and self.error is None:
+            try:
+                self._writer.settle()
+            except Exception as e:  # a bug in hashing; raised by finish(), like a write error
+                self.error = e
+
     def finish(self) -> dict[str, int]:
         if self.error is not None:
             raise self.error
@@ -214,6 +222,7 @@ def stream_units(model: DistributedModel, items: list[Item], sink: Sink | None, 
             for it in by_unit.get(index, []):
                 piece = at[(index, it.pos)]
                 sink.write(it.key, partial(_original, it, per_tp, piece.offset, piece.shape))
+            sink.end_unit()  # the checksums' references to this unit's buffer are gone
         del full, per_tp  # [memory] one unit's full parameters (times tp) at a time
     if sink is None and tp is None:
         return

@@ -128,6 +128,10 @@ class SafetensorsWriter:
             self._file.write(raw)
         self._next += 1
 
+    def settle(self) -> None:
+        """Wait for the checksums of the tensors written so far, so their buffers may be freed."""
+        self._sums.settle()
+
     def close(self) -> int:
         """Flush and fsync; the file's size in bytes."""
         if self._next != len(self._entries):

@@ -20,6 +20,7 @@ from safetensors import safe_open
 import shardpar as smp
 from shardpar.checkpoint import CheckpointError, checksum, load_consolidated
 from shardpar.checkpoint.safetensors_io import verify_tensors, write_tensors
+from tests import models
 from tests.unit.test_checkpoint_hygiene import _build, _same, _state, _train
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -180,3 +181,23 @@ def test_large_tensors_are_hashed_on_the_worker_thread_exactly_as_written(
     _flip(path, "param/w2")
     with pytest.raises(CheckpointError, match=r"big\.safetensors: tensor 'param/w2': checksum mismatch"):
         verify_tensors(path, label=str(path), expected=sums)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_checkpoints_with_megabyte_tensors_round_trip_through_the_worker_thread(
+    world_of_one: None, tmp_path: Path, partial: bool
+) -> None:
+    """inp.weight is 600 x 600 fp32 (1.4 MB): hashed on checksum.Background's thread, in both writers."""
+    torch.manual_seed(0)
+    model = smp.DistributedModel(models.UnevenMLP(width=600))
+    smp.save_checkpoint(tmp_path, "big", model=model, partial=partial)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    fresh = smp.DistributedModel(models.UnevenMLP(width=600))
+    smp.resume_from_checkpoint(tmp_path, "big", partial=partial)
+    assert _same({k: v.clone() for k, v in fresh.state_dict().items()}, saved)
+    weights = tmp_path / ("big_partial/shard-00000.safetensors" if partial else "big/model.safetensors")
+    key = "param/inp.weight" if partial else "inp.weight"
+    _flip(weights, key)
+    with pytest.raises(CheckpointError, match=rf"tensor '{key}': checksum mismatch"):
+        smp.resume_from_checkpoint(tmp_path, "big", partial=partial)
