@@ -6,7 +6,8 @@ atomic writes, Hugging Face export. See docs/checkpoints.md.
         newest_full         tag of the newest full checkpoint
         <tag>_partial/      partial=True: index.json + safetensors pieces (index.py)
         <tag>/              partial=False: a Hugging Face model directory (full.py)
-        .tmp-<tag>-<id>/    a save in progress, or one that crashed (removed by the next save)
+        .tmp-<tag>-<id>/    a save in progress (locked), or one that crashed (removed by the next save or
+                            resume: [Note: stale temporary entries] in atomic.py)
 
 The facade (`smp.save_checkpoint`, `smp.resume_from_checkpoint`) passes the model, optimizer,
 topology and engine of `smp.init()`; these functions take them explicitly.
@@ -28,7 +29,7 @@ from shardpar.checkpoint import index as ix
 from shardpar.checkpoint import partial as _partial
 from shardpar.checkpoint import reshard as _reshard
 from shardpar.checkpoint.atomic import Coordinator
-from shardpar.checkpoint.safetensors_io import CheckpointError, check_file
+from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, verify_share
 from shardpar.collectives import Engine
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
@@ -84,25 +85,29 @@ def save_checkpoint(
     if max_shard_size is not None and max_shard_size < 1:
         raise ValueError(f"max_shard_size={max_shard_size} must be a positive number of bytes (or None: one file)")
     root, coord = Path(path), Coordinator(topology, engine)
+    held: list[atomic.TmpDir] = []  # rank 0: the temporary directory, locked while this save is in flight
 
     def prepare() -> tuple[str, str, Any]:
         content = ix.encode(user_content, where="user_content")  # before any file exists
-        tmp, checkpoint_id = atomic.make_tmp_dir(root, tag)
-        return tmp, checkpoint_id, content
+        held.append(atomic.make_tmp_dir(root, tag))
+        return str(held[0].path), held[0].checkpoint_id, content
 
-    tmp, checkpoint_id, content = coord.on_root("save_checkpoint: preparing", prepare)
     try:
-        if partial:
-            return _save_partial(
-                coord, root, tag, Path(tmp), checkpoint_id, content, model, optimizer, num_kept_partial_checkpoints
-            )
-        return _save_full(
-            coord, root, tag, Path(tmp), checkpoint_id, content, model, translate_if_full, max_shard_size, full_dtype
-        )
-    except BaseException:
-        if coord.is_root and Path(tmp).exists():
-            atomic.remove_dir(Path(tmp))
-        raise
+        tmp, checkpoint_id, content = coord.on_root("save_checkpoint: preparing", prepare)
+        try:
+            if partial:
+                return _save_partial(
+                    coord, root, tag, Path(tmp), checkpoint_id, content, model, optimizer, num_kept_partial_checkpoints
+                )
+            export = (translate_if_full, max_shard_size, full_dtype)
+            return _save_full(coord, root, tag, Path(tmp), checkpoint_id, content, model, *export)
+        except BaseException:
+            if coord.is_root and Path(tmp).exists():
+                atomic.remove_dir(Path(tmp))
+            raise
+    finally:
+        for t in held:  # after the directory was published or removed: never swept while in flight
+            t.release()
 
 
 def _save_partial(
@@ -158,12 +163,12 @@ def _save_full(
     def commit() -> str:
         if sink is None:
             raise AssertionError("commit runs on rank 0")
-        sizes = sink.finish()
+        sink.finish()
         if len(files) > 1:
             atomic.write_json(tmp / _full.HF_INDEX, _full.hf_index(files))
         if translate:
             _full.write_hf_config(model.module, tmp, dtype or torch.float32)
-        atomic.write_json(tmp / _full.MANIFEST, _full.manifest(tag, checkpoint_id, sizes, content, model))
+        atomic.write_json(tmp / _full.MANIFEST, _full.manifest(tag, checkpoint_id, sink, content, model))
         final = root / tag
         atomic.publish_dir(tmp, final)
         atomic.write_text_atomic(root / "newest_full", tag)
@@ -196,10 +201,13 @@ def resume_from_checkpoint(
     # The resumed run then starts a window of its own (backward_passes_per_step and micro-batches may
     # differ from the saving run's): a partial save is taken at a window's end and a full one saves no
     # gradients, so the saved backward count is not restored.
+    if tag is not None:
+        atomic.check_tag(tag)  # as save does: "../x" would read outside `path`
     model.window.check_save("resume_from_checkpoint", "would be added to the loaded model's first step; resume")
     root, coord = Path(path), Coordinator(topology, engine)
-    # A re-save that crashed between its two renames is undone first ([Note: re-saving a tag]).
-    coord.on_root("resume_from_checkpoint: recovering", lambda: atomic.recover(root))
+    # A re-save that crashed between its two renames is undone first ([Note: re-saving a tag]), and
+    # what crashed saves left is removed ([Note: stale temporary entries]).
+    coord.on_root("resume_from_checkpoint: recovering", lambda: atomic.sweep(root))
     if partial:
         job: _reshard.LoadJob | None = None
 
@@ -235,6 +243,8 @@ def load_consolidated(path: PathLike, tag: str | None = None) -> Iterator[tuple[
     is the unwrapped model's state_dict (tied parameters under their first name); TP-split
     parameters come back in the original (Hugging Face) layout, whatever tensor parallelism saved them.
     """
+    if tag is not None:
+        atomic.check_tag(tag)
     root = Path(path)
     atomic.recover(root)
     name = tag if tag is not None else atomic.read_pointer(root, "newest")
@@ -248,4 +258,6 @@ def load_consolidated(path: PathLike, tag: str | None = None) -> Iterator[tuple[
             expect_tensors=ix.file_expectations(index, file),
             expect_metadata={"checkpoint_id": index["checkpoint_id"]},
         )
+    consolidated = ix.recorded_checksums(index, lambda key: key.startswith(("param/", "buffer/")))
+    verify_share(directory, consolidated, rank=0, world=1)
     return _reshard.consolidated(directory)

@@ -5,10 +5,10 @@ A save writes into `<root>/.tmp-<tag>-<id>/`. Only after every rank reported its
 (one all-gather, which doubles as the "everyone finished" barrier) does rank 0 write the index,
 rename the directory to its final name and then move the `newest` pointer (write a temporary file,
 fsync, os.replace). A crash at any point before the rename leaves only a `.tmp-*` directory, which
-the next save removes; the previous checkpoint and the pointer are untouched. Every phase runs
-"locally, then agree": a rank that fails reports its error instead of leaving the collective, so
-the others raise the same error instead of waiting; a rank that dies makes the collective fail
-within the process group's timeout (collective_timeout_s).
+the next save or resume removes ([Note: stale temporary entries]); the previous checkpoint and the
+pointer are untouched. Every phase runs "locally, then agree": a rank that fails reports its error
+instead of leaving the collective, so the others raise the same error instead of waiting; a rank
+that dies makes the collective fail within the process group's timeout (collective_timeout_s).
 
 [Note: re-saving a tag]
 rename(2) cannot replace a non-empty directory, so publishing over an existing tag takes two renames:
@@ -35,9 +35,13 @@ layout users (and Hugging Face's from_pretrained) read.
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import fcntl
 import json
 import os
 import shutil
+import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -150,24 +154,39 @@ def check_tag(tag: str) -> None:
         )
 
 
-def make_tmp_dir(root: Path, tag: str) -> tuple[str, str]:
-    """Rank 0: clear what crashed saves left behind, create a fresh temporary directory.
+@dataclass
+class TmpDir:
+    """A save's temporary directory and the lock that marks it in flight ([Note: stale temporary entries])."""
 
-    Returns (temporary directory, checkpoint id). One training job per checkpoint root: another
-    job's save in progress would look like a crashed one.
-    """
+    path: Path
+    checkpoint_id: str
+    fd: int | None  # holds flock(LOCK_EX) on the directory itself; None where the filesystem cannot lock
+
+    def release(self) -> None:
+        """Let the next sweep treat the directory as abandoned (a dead process releases it the same way)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> TmpDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def make_tmp_dir(root: Path, tag: str) -> TmpDir:
+    """Rank 0: clear what crashed saves left behind (`sweep`), create a fresh temporary directory, held
+    locked until `release` (at the end of the save, or by the process's death)."""
     root.mkdir(parents=True, exist_ok=True)
-    recover(root)
-    for stale in root.iterdir():
-        if stale.name.startswith((TMP_PREFIX, _TRASH_PREFIX)):
-            if stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
-            else:
-                stale.unlink(missing_ok=True)
+    sweep(root)
     checkpoint_id = uuid.uuid4().hex
     tmp = root / f"{TMP_PREFIX}{tag}-{checkpoint_id[:12]}"
     tmp.mkdir()
-    return str(tmp), checkpoint_id
+    state, fd = _try_lock(tmp)
+    if state in (Lock.HELD_ELSEWHERE, Lock.GONE):
+        raise OSError(f"{tmp}: another process removed or locked this new temporary directory; save again")
+    return TmpDir(tmp, checkpoint_id, fd)
 
 
 def fsync_dir(path: Path) -> None:
@@ -189,11 +208,14 @@ def write_json(path: Path, obj: Any) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace `path` with `text` so a reader sees the old or the new content, never a mix."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w", encoding="utf-8") as f:
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    with open(fd, "w", encoding="utf-8") as f:
+        with contextlib.suppress(OSError):  # in flight until replaced; unlockable: the sweep goes by age
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+        os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
@@ -232,9 +254,12 @@ def recover(root: Path) -> list[str]:
         final = root / name
         if final.exists():
             remove_dir(old)
-        else:
+            continue
+        try:
             os.rename(old, final)
-            restored.append(name)
+        except FileNotFoundError:
+            continue  # another process recovered it first
+        restored.append(name)
     if restored:
         fsync_dir(root)
     return restored
@@ -243,7 +268,10 @@ def recover(root: Path) -> list[str]:
 def remove_dir(path: Path) -> None:
     """Delete a checkpoint directory so a crash midway never leaves a half-deleted one under its name."""
     trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
-    os.rename(path, trash)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return  # already gone (another process removed it)
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -257,3 +285,98 @@ def read_pointer(root: Path, name: str) -> str:
     tag = pointer.read_text(encoding="utf-8").strip()
     check_tag(tag)
     return tag
+
+
+# ---- stale temporary entries ---------------------------------------------------------------------
+
+# [Note: stale temporary entries]
+# A crashed save leaves `.tmp-<tag>-<id>/` (its files so far) and possibly `.tmp-newest-<id>` (a
+# pointer not yet moved into place). `sweep` (rank 0, first thing in every save and every resume)
+# removes them, but never one that is in flight. In flight is decided by a lock, not by job ids or
+# ages: the save holds flock(LOCK_EX) on its temporary directory (on the pointer file while it is
+# written) from creation until it is published or removed, and the kernel drops that lock when the
+# process dies, however it dies. The sweep tries the same lock without waiting:
+#
+#     got it            nobody owns the entry: a crash (or a pre-lock shardpar) left it  -> removed
+#     held elsewhere    a save of another job (or process) is writing it                  -> kept
+#     cannot lock       (some NFS / Lustre mounts)  -> removed only when nothing in it changed for
+#                       STALE_AFTER_S: a live save's files keep changing (every rank streams into
+#                       them) or the save ends within collective_timeout_s
+#
+# Ids were not enough: after a restart every earlier id is "not ours" yet may belong to a second job
+# still saving; ages alone would keep a crash's leftovers for the whole grace period. `.old-*`
+# (re-saves, [Note: re-saving a tag]) are recovered only while no entry is held: a save in flight
+# elsewhere may sit between its two renames, where its `.old-*` is legitimately the only copy.
+# `.trash-*` are removed always (concurrent deletions of one directory are harmless).
+STALE_AFTER_S = 3600.0
+
+
+def sweep(root: Path, *, now: float | None = None) -> list[str]:
+    """Rank 0 (or one offline process): recover `.old-*` and remove stale `.tmp-*` / `.trash-*` entries
+    of `root` ([Note: stale temporary entries]); the names removed or restored."""
+    if not root.is_dir():
+        return []
+    now = time.time() if now is None else now
+    done: list[str] = []
+    in_flight = False
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(_TRASH_PREFIX):
+            _delete(entry)
+            done.append(entry.name)
+        elif entry.name.startswith(TMP_PREFIX):
+            state, fd = _try_lock(entry)
+            in_flight |= state is Lock.HELD_ELSEWHERE
+            try:
+                if state is Lock.GOT or (state is Lock.UNKNOWN and now - _last_change(entry) > STALE_AFTER_S):
+                    _delete(entry)
+                    done.append(entry.name)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+    if not in_flight:
+        done += recover(root)
+    return done
+
+
+class Lock(enum.Enum):
+    GOT = "got"  # the caller now holds it (the fd returned with it)
+    HELD_ELSEWHERE = "held elsewhere"  # another open file holds it: in flight
+    GONE = "gone"  # someone else removed the entry meanwhile
+    UNKNOWN = "unknown"  # this filesystem cannot lock
+
+
+def _try_lock(path: Path) -> tuple[Lock, int | None]:
+    """Try flock(LOCK_EX) on `path` without waiting; with Lock.GOT, the fd that holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY if path.is_dir() else os.O_RDWR)
+    except FileNotFoundError:
+        return Lock.GONE, None
+    except OSError:
+        return Lock.UNKNOWN, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return Lock.HELD_ELSEWHERE, None
+    except OSError:
+        os.close(fd)
+        return Lock.UNKNOWN, None
+    return Lock.GOT, fd
+
+
+def _last_change(path: Path) -> float:
+    """The newest mtime of `path` and what it directly holds (a save's files grow while it writes)."""
+    try:
+        times = [path.stat().st_mtime]
+        if path.is_dir():
+            times += [child.stat().st_mtime for child in path.iterdir()]
+    except FileNotFoundError:
+        return 0.0
+    return max(times)
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -4,7 +4,8 @@
         config.json, generation_config.json     (a PreTrainedModel with translate_if_full=True)
         model.safetensors                       one file, or with max_shard_size:
         model-00001-of-0000N.safetensors ...    + model.safetensors.index.json (HF's sharded layout)
-        shardpar_full.json                      manifest: file sizes, checkpoint id, user_content
+        shardpar_full.json                      manifest: file sizes, tensor checksums, checkpoint id,
+                                                user_content
 
 Only replica 0's sharding groups work: each AllGathers one unit at a time (fp32 main shards); with
 tensor parallelism the TP group of rank 0 then AllGathers that unit over TP and rebuilds every
@@ -145,6 +146,7 @@ class Sink:
     def __init__(self, tmp: Path, files: list[tuple[str, list[Item]]], metadata: dict[str, str]) -> None:
         self.tmp, self.files, self.metadata = tmp, files, metadata
         self.sizes: dict[str, int] = {}
+        self.checksums: dict[str, dict[str, str]] = {}  # file -> key -> checksum ([Note: checkpoint checksums])
         self.error: Exception | None = None
         self._file = -1
         self._writer: SafetensorsWriter | None = None
@@ -164,8 +166,7 @@ class Sink:
             self._writer.write(key, tensor)
             self._left -= 1
             if self._left == 0:
-                self.sizes[self.files[self._file][0]] = self._writer.close()
-                self._writer = None
+                self._close()
         except Exception as e:
             self.error = e
             if self._writer is not None:
@@ -178,8 +179,23 @@ class Sink:
         self._writer = SafetensorsWriter(self.tmp / name, [it.entry for it in items], self.metadata)
         self._left = len(items)
         if not items:
-            self.sizes[name] = self._writer.close()
-            self._writer = None
+            self._close()
+
+    def _close(self) -> None:
+        if self._writer is None:
+            raise AssertionError("no open export file")
+        name = self.files[self._file][0]
+        self.sizes[name] = self._writer.close()
+        self.checksums[name] = self._writer.checksums
+        self._writer = None
+
+    def end_unit(self) -> None:
+        """A unit's tensors are all written: wait for their checksums, which hold the unit's buffer."""
+        if self._writer is not None and self.error is None:
+            try:
+                self._writer.settle()
+            except Exception as e:  # a bug in hashing; raised by finish(), like a write error
+                self.error = e
 
     def finish(self) -> dict[str, int]:
         if self.error is not None:
@@ -206,6 +222,7 @@ def stream_units(model: DistributedModel, items: list[Item], sink: Sink | None, 
             for it in by_unit.get(index, []):
                 piece = at[(index, it.pos)]
                 sink.write(it.key, partial(_original, it, per_tp, piece.offset, piece.shape))
+            sink.end_unit()  # the checksums' references to this unit's buffer are gone
         del full, per_tp  # [memory] one unit's full parameters (times tp) at a time
     if sink is None and tp is None:
         return
@@ -251,7 +268,7 @@ def write_hf_config(module: nn.Module, directory: Path, dtype: torch.dtype) -> N
         generation.save_pretrained(directory)
 
 
-def manifest(tag: str, checkpoint_id: str, sizes: dict[str, int], user_content: Any, model: DistributedModel) -> Any:
+def manifest(tag: str, checkpoint_id: str, sink: Sink, user_content: Any, model: DistributedModel) -> Any:
     return {
         "format": FULL_FORMAT,
         "version": ix.VERSION,
@@ -259,7 +276,7 @@ def manifest(tag: str, checkpoint_id: str, sizes: dict[str, int], user_content: 
         "checkpoint_id": checkpoint_id,
         "saved_at_ns": time.time_ns(),
         "num_backward": model.window.num_backward,
-        "files": {n: {"bytes": b} for n, b in sizes.items()},
+        "files": {n: {"bytes": b, "checksums": sink.checksums[n]} for n, b in sink.sizes.items()},
         "user_content": user_content,
     }
 

@@ -24,7 +24,14 @@ from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.full import FULL_FORMAT, HF_INDEX, MANIFEST, SINGLE_FILE
 from shardpar.checkpoint.pieces import Slot, buffer_shape_problems, persistent_buffers, slots
 from shardpar.checkpoint.placement import Cut, assemble, plan_fetch
-from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, misfit, read_header
+from shardpar.checkpoint.safetensors_io import (
+    CheckpointError,
+    check_file,
+    misfit,
+    read_header,
+    tensor_nbytes,
+    verify_share,
+)
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.state_dict import param_aliases
 
@@ -49,18 +56,41 @@ class FullLoad:
             raise CheckpointError(f"{directory}: the manifest and the weight files disagree about {odd}")
         where: dict[str, str] = {}
         shapes: dict[str, tuple[int, ...]] = {}
+        tables: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
         for name in names:
             label = f"{directory}/{name}"
             recorded = info["files"].get(name, {}).get("bytes") if info else None
             meta = {"checkpoint_id": info["checkpoint_id"]} if info else {}
             check_file(directory / name, label=label, expect_bytes=recorded, expect_tensors={}, expect_metadata=meta)
-            for key, (_, shape) in read_header(directory / name, label=label).tensors.items():
+            tables[name] = read_header(directory / name, label=label).tensors
+            for key, (_, shape) in tables[name].items():
                 where[key], shapes[key] = name, shape
         load = cls(directory, model, strict, where)
         load._match(shapes)
         if info:
+            load._verify(info, tables)
             load.user_content = ix.decode(info["user_content"])
         return load
+
+    def _verify(self, info: dict[str, Any], tables: dict[str, dict[str, tuple[str, tuple[int, ...]]]]) -> None:
+        """This rank's share of the checksums of the tensors apply() reads ([Note: checkpoint checksums])."""
+        read = {k for _, aliases, _ in self._aliases() if (k := self.key_of(aliases)) is not None}
+        read |= {b for b in persistent_buffers(self.model) if b in self.where}
+        recorded: dict[str, dict[str, tuple[str, int]]] = {}
+        for name, table in tables.items():
+            sums = info["files"][name].get("checksums")
+            if sums is None:
+                continue  # written before checksums: loads unverified
+            odd = sorted(set(sums) ^ set(table)) if isinstance(sums, dict) else ["(not a table)"]
+            if odd:
+                raise CheckpointError(
+                    f"{self.directory}/{MANIFEST}: the checksums of {name} and its tensors disagree about "
+                    f"{len(odd)} keys, e.g. {odd[0]!r}"
+                )
+            keys = {k: (str(sums[k]), tensor_nbytes(*table[k])) for k in table if k in read}
+            recorded[name] = keys
+        topology = self.model.topology
+        verify_share(self.directory, recorded, rank=topology.rank, world=topology.plan.world)
 
     def _aliases(self) -> Iterator[tuple[Any, list[str], tuple[int, ...]]]:
         names = param_aliases(self.model.module)

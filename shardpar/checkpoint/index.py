@@ -19,7 +19,8 @@ ranges it needs.
 
     index.json = {format, version, tag, checkpoint_id, saved_at_ns, step, num_backward,
                   topology: {world, tp, sdp, ranks_per_node},
-                  files:   {name: {bytes, tensors: {key: [dtype, shape]}}},
+                  files:   {name: {bytes, tensors: {key: [dtype, shape]},
+                                  checksums: {key: "crc32:<8 hex>"} (absent before checksums were added)}},
                   params:  {fqn: {shape, dtype, tp?: {dim, size, num_parts},
                                   pieces: [[file, start, length, tp_rank], ...]}},
                   buffers: {name: {file, dtype, shape}},
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 
 from shardpar.checkpoint.placement import Cut
-from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name, dtype_of
+from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name, dtype_of, tensor_nbytes
 
 FORMAT = "shardpar.partial"
 VERSION = 2  # 2: pieces carry a TP rank, params a `tp` cut; version 1 (no tensor parallelism) still reads
@@ -226,6 +227,10 @@ def _check_index(index: dict[str, Any], label: str) -> None:
     for name, entry in index["buffers"].items():
         got = files.get(entry["file"], {}).get("tensors", {}).get(buffer_key(name))
         _expect(got is not None, label, f"buffer {name!r}: {entry['file']!r} does not list it")
+    for name, entry in files.items():  # [Note: checkpoint checksums] (checksum.py)
+        sums = entry.get("checksums")
+        odd = [] if sums is None else sorted(set(sums) ^ set(entry["tensors"]))
+        _expect(not odd, label, f"{name}: checksums and tensors disagree about {len(odd)} keys, e.g. {odd[:1]}")
     rng = index.get("rng")
     if rng:
         _expect(rng["file"] in files, label, f"RNG file {rng['file']!r} is not in 'files'")
@@ -249,6 +254,19 @@ def _check_cover(
             )
         pos += piece.length
     _expect(pos == numel, label, f"{where}: pieces cover {pos} of {numel} elements")
+
+
+def recorded_checksums(index: dict[str, Any], wanted: Callable[[str], bool]) -> dict[str, dict[str, tuple[str, int]]]:
+    """file -> key -> (checksum, nbytes) of the `wanted` tensors whose file records checksums."""
+    out: dict[str, dict[str, tuple[str, int]]] = {}
+    for name, entry in index["files"].items():
+        sums = entry.get("checksums")
+        if sums is None:
+            continue  # written before checksums: loads unverified
+        keys = {k: (str(sums[k]), tensor_nbytes(d, shape)) for k, (d, shape) in entry["tensors"].items() if wanted(k)}
+        if keys:
+            out[name] = keys
+    return out
 
 
 def file_expectations(index: dict[str, Any], name: str) -> dict[str, tuple[str, tuple[int, ...]]]:

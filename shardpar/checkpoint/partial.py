@@ -70,9 +70,9 @@ def write_rank_file(
     report: dict[str, Any] = {"pieces": pieces, "state": state_meta, "rng": _rng_report(), "file": None}
     if tensors:
         name = ix.shard_file(coords.rank)
-        size = write_tensors(tmp / name, tensors, {"checkpoint_id": checkpoint_id, "format": "pt"})
+        written = write_tensors(tmp / name, tensors, {"checkpoint_id": checkpoint_id, "format": "pt"})
         table = {k: [dtype_name(t.dtype), list(t.shape)] for k, t in tensors.items()}
-        report["file"] = {"name": name, "bytes": size, "tensors": table}
+        report["file"] = {"name": name, "bytes": written.bytes, "tensors": table, "checksums": written.checksums}
     return report
 
 
@@ -105,8 +105,12 @@ class SaveJob:
             for rep in self.reports
             if rep["file"]
         }
-        size = write_tensors(self.tmp / ix.RNG_FILE, rng, {"checkpoint_id": self.checkpoint_id, "format": "pt"})
-        files[ix.RNG_FILE] = {"bytes": size, "tensors": {k: ["U8", list(t.shape)] for k, t in rng.items()}}
+        written = write_tensors(self.tmp / ix.RNG_FILE, rng, {"checkpoint_id": self.checkpoint_id, "format": "pt"})
+        files[ix.RNG_FILE] = {
+            "bytes": written.bytes,
+            "tensors": {k: ["U8", list(t.shape)] for k, t in rng.items()},
+            "checksums": written.checksums,
+        }
         index = self.build_index(files)
         ix.check_index(index, f"{self.final}/{ix.INDEX_NAME} (while saving)")
         atomic.write_json(self.tmp / ix.INDEX_NAME, index)

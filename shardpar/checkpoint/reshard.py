@@ -16,7 +16,7 @@ writers' TP-local pieces, each read where it lies.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from safetensors import safe_open
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.pieces import Slot, buffer_shape_problems, fqn_of_piece, persistent_buffers, piece_of, slots
 from shardpar.checkpoint.placement import Cut, Segment, assemble, plan_fetch, reads
-from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, dtype_of, misfit
+from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, dtype_of, misfit, verify_share
 from shardpar.optim.loss_scaling import ScalerResume
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
@@ -134,6 +134,26 @@ class LoadJob:
                 expect_tensors=ix.file_expectations(self.index, name),
                 expect_metadata={"checkpoint_id": self.index["checkpoint_id"]},
             )
+        recorded = ix.recorded_checksums(self.index, self._read_by_some_rank())
+        verify_share(self.directory, recorded, rank=self.model.topology.rank, world=self.world)
+
+    def _read_by_some_rank(self) -> Callable[[str], bool]:
+        """Whether some rank's apply() reads tensor `key` (the same answer on every rank)."""
+        fqns = {s.fqn for s in slots(self.model)} & set(self.index["params"])
+        buffers = set(persistent_buffers(self.model))
+        optimizer = self.optimizer is not None and self.load_optimizer
+
+        def read(key: str) -> bool:
+            kind, _, rest = key.partition("/")
+            if kind == "param":
+                return rest in fqns
+            if kind == "optim":
+                return optimizer and rest.partition("/")[2] in fqns
+            if kind == "buffer":
+                return rest in buffers
+            return kind == "rng" and self.restores_rng
+
+        return read
 
     def _check_optimizer(self) -> None:
         if self.optimizer is None:

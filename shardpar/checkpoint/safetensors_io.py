@@ -9,6 +9,8 @@ Every offset is known from the (key, dtype, shape) list alone, so `SafetensorsWr
 first and the tensors as they arrive: a full-model export streams unit by unit and never holds more
 than one unit's parameters (safetensors.torch.save_file needs every tensor at once and copies them).
 Reading uses `safetensors.safe_open` (lazy, slice-wise, and never executes code: no pickle).
+The writer also checksums each tensor's bytes as they go out (checksum.py); the checksums go into our
+index / manifest, not into this header, which is written before the data.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from types import TracebackType
 from typing import Any
 
 import torch
+
+from shardpar.checkpoint import checksum
 
 _NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -101,6 +105,8 @@ class SafetensorsWriter:
         self.path = Path(path)
         self._entries = list(entries)
         self._next = 0
+        self.checksums: dict[str, str] = {}  # key -> checksum.text of its bytes, filled by close()
+        self._sums = checksum.Background()
         header = _header_bytes(self._entries, metadata)
         self._file = open(self.path, "wb")  # noqa: SIM115 -- closed by close() / __exit__
         self._file.write(struct.pack("<Q", len(header)))
@@ -116,19 +122,26 @@ class SafetensorsWriter:
                 f"{tuple(tensor.shape)}"
             )
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        raw = data.view(torch.uint8).numpy().data  # no copy: the buffer itself
+        self._sums.add(key, raw, data)  # hashed while it is written ([Note: checkpoint checksums])
         if data.numel():
-            self._file.write(data.view(torch.uint8).numpy().data)  # no copy: the buffer itself
+            self._file.write(raw)
         self._next += 1
+
+    def settle(self) -> None:
+        """Wait for the checksums of the tensors written so far, so their buffers may be freed."""
+        self._sums.settle()
 
     def close(self) -> int:
         """Flush and fsync; the file's size in bytes."""
         if self._next != len(self._entries):
-            self._file.close()
+            self.abandon()
             missing = [e.key for e in self._entries[self._next :]]
             raise AssertionError(f"{self.path.name}: {len(missing)} tensors never written, first {missing[0]!r}")
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        self.checksums = self._sums.finish()
         return self.path.stat().st_size
 
     def __enter__(self) -> SafetensorsWriter:
@@ -140,16 +153,25 @@ class SafetensorsWriter:
 
     def abandon(self) -> None:
         """Close the file without checking it (after an error; the directory is discarded)."""
+        self._sums.close()
         self._file.close()
 
 
-def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> int:
-    """Write `tensors` (in order) to `path`; its size in bytes."""
+@dataclass(frozen=True)
+class Written:
+    """A finished file: its size and each tensor's checksum (checksum.text)."""
+
+    bytes: int
+    checksums: dict[str, str]
+
+
+def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> Written:
+    """Write `tensors` (in order) to `path`."""
     entries = [TensorEntry(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
     with SafetensorsWriter(path, entries, metadata) as w:
         for k, t in tensors.items():
             w.write(k, t)
-        return w.close()
+        return Written(w.close(), w.checksums)
 
 
 # ---- reading and checking ------------------------------------------------------------------------
@@ -159,6 +181,7 @@ def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Map
 class Header:
     metadata: dict[str, str]
     tensors: dict[str, tuple[str, tuple[int, ...]]]  # key -> (dtype name, shape)
+    spans: dict[str, tuple[int, int]]  # key -> [begin, end) of its bytes in the file (header included)
 
 
 def read_header(path: Path, *, label: str) -> Header:
@@ -182,6 +205,7 @@ def read_header(path: Path, *, label: str) -> Header:
     metadata = raw.pop("__metadata__", None) or {}
     data_bytes, end = size - 8 - n, 0
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    spans: dict[str, tuple[int, int]] = {}
     for key, info in raw.items():
         try:
             begin, stop = (int(x) for x in info["data_offsets"])
@@ -190,10 +214,11 @@ def read_header(path: Path, *, label: str) -> Header:
             raise CheckpointError(f"{label}: corrupt safetensors header entry {key!r}") from None
         if not 0 <= begin <= stop:
             raise CheckpointError(f"{label}: corrupt offsets for {key!r}")
+        spans[key] = (8 + n + begin, 8 + n + stop)
         end = max(end, stop)
     if end > data_bytes:
         raise CheckpointError(f"{label}: truncated: tensor data needs {end} bytes, the file holds {data_bytes}")
-    return Header(dict(metadata), tensors)
+    return Header(dict(metadata), tensors, spans)
 
 
 def check_file(
@@ -226,3 +251,57 @@ def check_file(
             raise CheckpointError(
                 f"{label}: tensor {key!r} is {got[0]} {list(got[1])}, the index says {want[0]} {list(want[1])}"
             )
+
+
+# ---- checksums ([Note: checkpoint checksums] in checksum.py) ---------------------------------------
+
+_CHUNK = 8 * 1024 * 1024
+
+
+def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a tensor recorded as (safetensors dtype name, shape)."""
+    return TensorEntry("", dtype_of(dtype), tuple(int(d) for d in shape)).nbytes
+
+
+def verify_tensors(path: Path, *, label: str, expected: Mapping[str, str]) -> None:
+    """Hash the bytes of every tensor in `expected` (key -> recorded checksum) as they are on disk;
+    CheckpointError naming the file and the tensor on the first mismatch."""
+    header = read_header(path, label=label)
+    missing = sorted(set(expected) - set(header.spans))
+    if missing:
+        raise CheckpointError(f"{label}: {len(missing)} checksummed tensors are missing, e.g. {missing[0]!r}")
+    view = memoryview(bytearray(_CHUNK))
+    with open(path, "rb", buffering=0) as f:
+        for key in sorted(expected, key=lambda k: header.spans[k]):
+            try:
+                algorithm = checksum.parse(expected[key], where=f"{label}: tensor {key!r}")
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+            value, fold = checksum.hasher(algorithm)
+            begin, end = header.spans[key]
+            f.seek(begin)
+            while begin < end:
+                n = f.readinto(view[: min(end - begin, _CHUNK)])
+                if not n:
+                    raise CheckpointError(f"{label}: truncated inside tensor {key!r}")
+                value, begin = fold(view[:n], value), begin + n
+            got = checksum.text(value, algorithm)
+            if got != expected[key]:
+                raise CheckpointError(
+                    f"{label}: tensor {key!r}: checksum mismatch ({got} on disk, {expected[key]} recorded when it "
+                    "was saved): its data is corrupt, so nothing was loaded; restore the file from a copy or resume "
+                    "another tag"
+                )
+
+
+def verify_share(
+    directory: Path, recorded: Mapping[str, Mapping[str, tuple[str, int]]], *, rank: int, world: int
+) -> None:
+    """Verify this rank's share of `recorded` (file -> key -> (checksum, nbytes)); the ranks' shares
+    cover every tensor once (checksum.share), and the caller's check phase makes them agree."""
+    items = [(file, key, nbytes) for file, keys in recorded.items() for key, (_, nbytes) in keys.items()]
+    mine: dict[str, dict[str, str]] = {}
+    for file, key in checksum.share(items, rank, world):
+        mine.setdefault(file, {})[key] = recorded[file][key][0]
+    for file, expected in mine.items():
+        verify_tensors(directory / file, label=f"{directory}/{file}", expected=expected)

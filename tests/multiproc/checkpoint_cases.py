@@ -270,6 +270,22 @@ def _truncate(d: Path) -> None:
     f.write_bytes(f.read_bytes()[:-10])
 
 
+def _flip_payload(path: Path, prefix: str) -> None:
+    """Invert 64 bytes inside the largest tensor named `prefix...` of `path`; the header stays as it was."""
+    import json
+    import struct
+
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    sizes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k.startswith(prefix)}
+    key = max(sizes, key=lambda k: sizes[k])
+    begin, end = header[key]["data_offsets"]
+    at = 8 + n + (begin + end) // 2 - 32
+    data[at : at + 64] = bytes(b ^ 0xFF for b in data[at : at + 64])
+    path.write_bytes(data)
+
+
 def _drop_piece(d: Path) -> None:
     import json
 
@@ -294,6 +310,7 @@ def errors_case(root_s: str) -> dict[str, Any]:
         "foreign": lambda d: shutil.copy(root / "other_partial" / "shard-00001.safetensors", d),
         "piece": _drop_piece,
         "index": lambda d: (d / "index.json").write_text('{"format": "shardpar.partial", "vers'),
+        "corrupt": lambda d: _flip_payload(d / "shard-00001.safetensors", "param/"),
     }
     for tag, how in damages.items():
         _damage(root, "good", tag, how)
@@ -331,6 +348,16 @@ def errors_case(root_s: str) -> dict[str, Any]:
     except ckpt.CheckpointError as e:
         errors["buffer_full"] = str(e)
     buffer_unchanged = all(torch.equal(v, before3[k]) for k, v in _full_state(model3).items())
+    # The full export with 64 bytes of one tensor's data flipped: refused on every rank, `model` untouched.
+    if smp.rank() == 0:
+        shutil.copytree(root / "goodfull", root / "badfull")
+        _flip_payload(root / "badfull" / "model.safetensors", "blocks.")
+    smp.barrier()
+    try:
+        _resume(root_s, "badfull", model, None, partial=False)
+        errors["corrupt_full"] = "no error"
+    except ckpt.CheckpointError as e:
+        errors["corrupt_full"] = str(e)
     # The checkpoint's persistent buffer `marker` is not in this model: strict refuses, like a parameter.
     torch.manual_seed(7)
     model4 = smp.DistributedModel(models.UnevenMLP())
@@ -463,13 +490,13 @@ def crash_during_save_case(root: str) -> None:
     _train(model, opt, sched, range(3))
     real = partial_mod.write_tensors
 
-    def write_then_die(path: Path, tensors: Any, metadata: Any) -> int:
-        size = real(path, tensors, metadata)
+    def write_then_die(path: Path, tensors: Any, metadata: Any) -> Any:
+        written = real(path, tensors, metadata)
         if smp.rank() == 1:
             with open(path, "r+b") as f:
-                f.truncate(size // 2)
+                f.truncate(written.bytes // 2)
             os.kill(os.getpid(), signal.SIGKILL)
-        return size
+        return written
 
     partial_mod.write_tensors = write_then_die
     _save(root, "bad", model, opt, user_content={"tag": "bad"})

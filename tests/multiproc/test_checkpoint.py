@@ -79,6 +79,9 @@ def test_damaged_checkpoints_raise_clear_errors_and_load_nothing(ranks, tmp_path
         "foreign": ("shard-00001.safetensors", "another checkpoint"),
         "piece": ("index.json", "pieces cover 124 of 169 elements"),
         "index": ("index.json", "not valid JSON"),
+        # 64 bytes of tensor data flipped, header untouched: one rank hashes it, every rank raises
+        "corrupt": ("corrupt_partial/shard-00001.safetensors", "tensor 'param/", "checksum mismatch"),
+        "corrupt_full": ("badfull/model.safetensors", "tensor 'blocks.", "checksum mismatch"),
         "nonexistent": ("nonexistent_partial", "missing"),
         "misfit": ("blocks.2", "not in the model"),
         "buffer": ("buffer marker: shape [4] in the model, [3] in the checkpoint",),
@@ -149,6 +152,8 @@ def test_sigkill_between_the_renames_of_a_resave_keeps_previous_checkpoint(ranks
         assert _max_diff(r["state"], good[rank]["state"]) == 0.0, "the previous checkpoint must resume exactly"
         assert torch.equal(r["rng"], good[rank]["rng"]), "RNG state restored (same world)"
         assert "good_partial" in r["listing_before"], r["listing_before"]
+        # the resume itself removed the crashed re-save's temporary directory (its rank 0 is dead)
+        assert not any(n.startswith((".old-", ".tmp-")) for n in r["listing_before"]), r["listing_before"]
         assert not any(n.startswith((".old-", ".tmp-")) for n in r["listing_after"]), r["listing_after"]
 
 

@@ -47,9 +47,10 @@ def _checkpoint_dir(root: Path, tag: str, content: str) -> Path:
 
 
 def _resave(root: Path, tag: str, content: str) -> None:
-    tmp, _ = atomic.make_tmp_dir(root, tag)
-    (Path(tmp) / "index.json").write_text(content)
-    atomic.publish_dir(Path(tmp), root / f"{tag}_partial")
+    # `with`: a crash (_Crash) releases the directory's lock, as a dying process does
+    with atomic.make_tmp_dir(root, tag) as tmp:
+        (tmp.path / "index.json").write_text(content)
+        atomic.publish_dir(tmp.path, root / f"{tag}_partial")
 
 
 def _listing(root: Path) -> list[str]:
@@ -66,7 +67,7 @@ def test_crash_between_the_renames_of_a_resave_keeps_the_previous_checkpoint(
     monkeypatch.undo()
     assert not (tmp_path / "t_partial").exists()  # the window: no directory under the tag's name
     # the next save (of any tag) clears the crashed .tmp-* but restores the previous checkpoint
-    atomic.make_tmp_dir(tmp_path, "other")
+    atomic.make_tmp_dir(tmp_path, "other").release()
     assert (tmp_path / "t_partial" / "index.json").read_text() == "old"
     assert [n for n in _listing(tmp_path) if not n.startswith(".tmp-other-")] == ["t_partial"]
 
@@ -91,7 +92,7 @@ def test_a_half_deleted_directory_is_never_restored(tmp_path: Path) -> None:
     trash.mkdir()
     (trash / "shard-00001.safetensors").write_bytes(b"half")
     assert atomic.recover(tmp_path) == []
-    atomic.make_tmp_dir(tmp_path, "next")
+    atomic.make_tmp_dir(tmp_path, "next").release()
     assert [n for n in _listing(tmp_path) if not n.startswith(".tmp-next-")] == []
 
 
