@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from shardpar.checkpoint import objects
 from shardpar.checkpoint.placement import Cut
 from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name, dtype_of, tensor_nbytes
 
@@ -77,51 +78,31 @@ def rng_key(kind: str, rank: int) -> str:
 
 
 def encode(value: Any, *, where: str) -> Any:
-    """A JSON-able form of `value` that `decode` turns back into the same types.
+    """A JSON-able form of `value` that `decode` turns back into the same types (objects.py lists them):
+    user_content keeps tuples, int-keyed dicts, OrderedDicts, Counters, numpy values, HF configs and
+    (small) tensors, stored inline with their shape and dtype."""
+    return objects.encode(value, where, _inline_tensor)
 
-    Plain JSON stays as is; tuples and (small) tensors are tagged so they round-trip exactly.
-    """
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu()
-        # tolist() drops the dims after a zero-size one ([[], []] for (2, 0, 3)), so the shape goes beside it
-        return {
-            "__tensor__": t.tolist(),
-            "shape": list(t.shape),
-            "dtype": dtype_name(t.dtype),
-            "on_device": value.device.type != "cpu",
-        }
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, where=where) for v in value]}
-    if isinstance(value, list):
-        return [encode(v, where=where) for v in value]
-    if isinstance(value, dict):
-        bad = [k for k in value if not isinstance(k, str)]
-        if bad:
-            raise TypeError(f"{where}: dict key {bad[0]!r} is not a string; checkpoints store JSON (no pickle)")
-        if "__tensor__" in value or "__tuple__" in value:
-            raise TypeError(f"{where}: keys '__tensor__' / '__tuple__' are reserved")
-        return {k: encode(v, where=f"{where}.{k}") for k, v in value.items()}
-    raise TypeError(
-        f"{where}: a {type(value).__name__} cannot be stored; checkpoints hold JSON values, tuples and tensors "
-        "only (no pickle, so loading can never execute code)"
-    )
+
+def _inline_tensor(value: torch.Tensor, where: str) -> dict[str, Any]:
+    t = value.detach().cpu()
+    # tolist() drops the dims after a zero-size one ([[], []] for (2, 0, 3)), so the shape goes beside it
+    return {
+        "__tensor__": t.tolist(),
+        "shape": list(t.shape),
+        "dtype": dtype_name(t.dtype),
+        "on_device": value.device.type != "cpu",
+    }
 
 
 def decode(obj: Any, *, device: torch.device | None = None) -> Any:
-    if isinstance(obj, list):
-        return [decode(v, device=device) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    if "__tensor__" in obj:
-        t = torch.tensor(obj["__tensor__"], dtype=dtype_of(obj["dtype"]))
-        if "shape" in obj:  # absent in checkpoints written before it was added
-            t = t.reshape(obj["shape"])
-        return t.to(device) if obj.get("on_device") and device is not None else t
-    if "__tuple__" in obj:
-        return tuple(decode(v, device=device) for v in obj["__tuple__"])
-    return {k: decode(v, device=device) for k, v in obj.items()}
+    def tensor(ref: dict[str, Any]) -> torch.Tensor:
+        t = torch.tensor(ref["__tensor__"], dtype=dtype_of(ref["dtype"]))
+        if "shape" in ref:  # absent in checkpoints written before it was added
+            t = t.reshape(ref["shape"])
+        return t.to(device) if ref.get("on_device") and device is not None else t
+
+    return objects.decode(obj, tensor)
 
 
 # ---- pieces ---------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Plain JSON values stay as they are; everything else is a one-key tagged object:
 
-    tuple -> {"__tuple__": [...]}         dict with non-string keys, or a reserved key -> {"__dict__": [[k, v], ...]}
+    tuple -> {"__tuple__": [...]}         Counter -> {"__counter__": [[k, n], ...]}
+    dict with non-string keys, or a reserved key -> {"__dict__": [[k, v], ...]}
     OrderedDict -> {"__odict__": [...]}   float nan/inf -> {"__float__": "nan"}
     torch.Size -> {"__size__": [...]}     numpy scalar -> {"__npscalar__": [dtype, value]}
     numpy array -> {"__ndarray__": tensor}  a Hugging Face config -> {"__hf_config__": [class name, to_dict()]}
@@ -16,16 +17,26 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-TAGS = ("__tuple__", "__dict__", "__odict__", "__float__", "__size__", "__npscalar__", "__ndarray__", "__hf_config__")
+TAGS = (
+    "__tuple__",
+    "__dict__",
+    "__odict__",
+    "__counter__",
+    "__float__",
+    "__size__",
+    "__npscalar__",
+    "__ndarray__",
+    "__hf_config__",
+)
 RESERVED = frozenset((*TAGS, "__tensor__"))  # a user dict holding one of these keys is stored as pairs
 STORED = (
-    "None, bool, int, float, str, list, tuple, dict (any JSON-able keys), OrderedDict, torch.Size, tensors, "
+    "None, bool, int, float, str, list, tuple, dict (any JSON-able keys), OrderedDict, Counter, torch.Size, tensors, "
     "numpy scalars and arrays, and Hugging Face PretrainedConfig objects"
 )
 
@@ -72,6 +83,8 @@ def encode(value: Any, where: str, put_tensor: PutTensor) -> Any:
         return [encode(v, f"{where}[{i}]", put_tensor) for i, v in enumerate(value)]
     if isinstance(value, OrderedDict):
         return {"__odict__": _pairs(value, where, put_tensor)}
+    if isinstance(value, Counter):  # MultiStepLR's milestones
+        return {"__counter__": _pairs(value, where, put_tensor)}
     if type(value) is dict:
         if all(isinstance(k, str) for k in value) and not set(value) & RESERVED:
             return {k: encode(v, f"{where}[{k!r}]", put_tensor) for k, v in value.items()}
@@ -140,6 +153,7 @@ _DECODERS: dict[str, Callable[[Any, GetTensor], Any]] = {
     "__tuple__": lambda b, g: tuple(decode(v, g) for v in b),
     "__dict__": lambda b, g: dict(_decode_pairs(b, g)),
     "__odict__": lambda b, g: OrderedDict(_decode_pairs(b, g)),
+    "__counter__": lambda b, g: Counter(dict(_decode_pairs(b, g))),
     "__float__": lambda b, g: float(b),
     "__size__": lambda b, g: torch.Size(b),
     "__npscalar__": _numpy_scalar,
