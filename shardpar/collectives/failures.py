@@ -208,24 +208,26 @@ def culprit_message(
     any (after a timeout only a hint: that rank may itself be stuck waiting for another)."""
     if board is None:
         return local, culprit
+    reason = local
     if timed_out:
         missing = board.missing_after_timeout(ranks)
         if missing:
             culprit = missing[0]
-            names = ", ".join(map(str, missing))
-            local = f"{local} (rank{'s' if len(missing) > 1 else ''} {names} never reached the collectives waited for)"
+            reason = f"it never reached a collective that its peers timed out waiting in ({local})"
     if culprit is None:
         dead = board.dead_members(ranks)
         if dead:
-            culprit, local = dead[0], f"{local} (rank {dead[0]}'s process is gone)"
+            culprit, reason = dead[0], f"its process is gone ({local})"
     if culprit is not None:
-        board.post(culprit, local)
+        board.post(culprit, reason)
     # Nothing known here: another rank (the one that saw the failure first) may still be posting it.
     first = board.first(0.0 if culprit is not None else 2 * SETTLE_S)
+    if first is None and culprit is not None:  # the store went away (with its host rank)
+        return f"rank {culprit} failed first, as far as rank {board.rank} can tell (no store): {reason}", culprit
     if first is None:
         return f"{local}; no rank posted a failure to the job's store", culprit
-    if first.reporter == board.rank and first.reason == local:
-        return f"rank {first.rank} failed first: {local}", first.rank
+    if first.reporter == board.rank and first.reason == reason:
+        return f"rank {first.rank} failed first: {reason}", first.rank
     return (
         f"{local}; rank {first.rank} failed first: {first.reason} (reported by rank {first.reporter})",
         first.rank,

@@ -170,7 +170,10 @@ class SmddpProcessGroup(dist.ProcessGroup):
             try:
                 fn(self._shm())
             except BaseException as exc:  # handed to whoever waits on the Work
-                raw.set_result(_Failed(self._explain(exc)))
+                try:
+                    exc = self._explain(exc)
+                finally:  # whatever happens, the Work completes
+                    raw.set_result(_Failed(exc))
             else:
                 raw.set_result(result)
 

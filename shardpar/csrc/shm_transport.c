@@ -718,8 +718,8 @@ static int refuse_foreign(shm_comm *c, const struct stat *sb, const char *what) 
     describe_uid(sb->st_uid, owner, sizeof(owner));
     describe_uid(geteuid(), me, sizeof(me));
     return fail(c, SHM_EFOREIGN, "shm connect: /dev/shm%s %s, owned by %s with mode %04o; this job runs as %s "
-                "and only attaches segments it owns with mode 0600: refused, not attached and not removed "
-                "(another user may be interfering with this job)", c->name, what, owner,
+                "and only attaches segments it owns that grant nothing to group or others: refused, not attached "
+                "and not removed (another user may be interfering with this job)", c->name, what, owner,
                 (unsigned)(sb->st_mode & 07777), me);
 }
 

@@ -114,6 +114,8 @@ def test_an_unreachable_store_adds_nothing_and_never_blocks() -> None:
     board = FailureBoard(Gone(), 0)
     board.post(1, "x")
     assert board.first() is None and board.dead_members((0, 1)) == []
+    message, culprit = culprit_message(board, "rank 1 died", ranks=(0, 1), culprit=1, timed_out=False)
+    assert (message, culprit) == ("rank 1 failed first, as far as rank 0 can tell (no store): rank 1 died", 1)
 
 
 def test_an_uncaught_exception_posts_its_rank_or_the_culprit_it_names(store: dist.Store) -> None:
