@@ -264,9 +264,8 @@ class SmddpEngine:
         synchronous call queued behind async ones runs there too, patient, while the caller waits."""
         comm = self._comms.get(ranks)
         if comm is None:
-            key = hmac.new(self._secret.encode(), ",".join(map(str, ranks)).encode(), hashlib.sha256).hexdigest()
             comm = shm.ShmComm(
-                f"j{key[:32]}",
+                segment_key(self._secret, ranks),
                 "smddp",
                 ranks.index(self.rank),
                 len(ranks),
@@ -442,6 +441,13 @@ class SmddpEngine:
         return hierarchical_all_gather(
             self, output, input, sharding=group, node=node, cross=cross, async_op=async_op, steps=steps
         )
+
+
+def segment_key(secret: str, ranks: Sequence[int]) -> str:
+    """The key in the segment name of the group `ranks`: HMAC-SHA256 under the engine's secret, so a
+    name seen in /dev/shm reveals neither the secret nor any other group's name ([Note: smddp ordering])."""
+    digest = hmac.new(secret.encode(), ",".join(map(str, ranks)).encode(), hashlib.sha256).hexdigest()
+    return f"j{digest[:32]}"
 
 
 def _split_by_node(ranks: tuple[int, ...], rpn: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]] | None:

@@ -644,3 +644,14 @@ def test_a_leftover_segment_of_ours_names_its_dev_shm_path() -> None:
             shm.ShmComm(key, "g", 0, 2, timeout_s=5.0, chunk_bytes=CHUNK)
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_engine_segment_names_reveal_neither_the_secret_nor_other_groups_names() -> None:
+    from shardpar.collectives.smddp import _agree_on_job, segment_key
+
+    secret = _agree_on_job(False, 0, 1, 1)  # rank 0's draw, as the engine makes it
+    assert len(secret) == 32 and int(secret, 16) >= 0 and secret != _agree_on_job(False, 0, 1, 1)
+    names = {ranks: shm.segment_name(segment_key(secret, ranks), "smddp") for ranks in [(0, 1), (2, 3), (0, 2)]}
+    assert len(set(names.values())) == 3 and all(secret not in name for name in names.values()), names
+    assert names[(0, 1)] == shm.segment_name(segment_key(secret, (0, 1)), "smddp")  # every member agrees
+    assert segment_key(secret, (0, 1)) != segment_key(secret[::-1], (0, 1))  # another job: other names
