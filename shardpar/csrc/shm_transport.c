@@ -744,6 +744,12 @@ static int create_segment(shm_comm *c) {
                     "key, or a crashed run left it (remove /dev/shm%s)", c->name, c->name);
     }
     if (fd < 0) return fail(c, SHM_ESYS, "shm connect: shm_open(%s) failed: %s", c->name, strerror(errno));
+    if (fchmod(fd, 0600) != 0) { /* exactly 0600 whatever the umask took away: joiners need rw */
+        int e = errno;
+        close(fd);
+        shm_unlink(c->name);
+        return fail(c, SHM_ESYS, "shm connect: fchmod(%s, 0600) failed: %s", c->name, strerror(e));
+    }
     if (ftruncate(fd, (off_t)c->map_bytes) != 0) {
         int e = errno;
         close(fd);
