@@ -8,8 +8,8 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -24,6 +24,10 @@ from shardpar.collectives.base import (
     check_gather_shapes,
     pack_spans,
 )
+from shardpar.collectives.failures import CollectiveError, CollectiveTimeoutError, FailureBoard, culprit_message
+
+# How a wait that failed becomes the error to raise: (error, seconds waited, seconds allowed).
+Explain = Callable[[BaseException, float, float], BaseException]
 
 
 class NativeWork:
@@ -43,21 +47,35 @@ class NativeWork:
     blocks the host, as torch does.
     """
 
-    def __init__(self, work: Any, *, timeout_s: float, finish: Any = None, on_device: bool = False) -> None:
+    def __init__(
+        self,
+        work: Any,
+        *,
+        timeout_s: float,
+        finish: Any = None,
+        on_device: bool = False,
+        explain: Explain | None = None,
+    ) -> None:
         self._work = work
         self._timeout_s = timeout_s
         self._finish = finish
         self._on_device = on_device
+        self._explain = explain
         self._done = False
 
     def wait(self, timeout: float | None = None) -> None:
         if self._done:
             return
-        if self._on_device and timeout is None:
-            self._work.wait()  # stream-ordered, see [Note: waits on the device]
-        else:
-            seconds = self._timeout_s if timeout is None else timeout
-            self._work.wait(datetime.timedelta(seconds=seconds))
+        seconds, start = self._timeout_s if timeout is None else timeout, time.monotonic()
+        try:
+            if self._on_device and timeout is None:
+                self._work.wait()  # stream-ordered, see [Note: waits on the device]
+            else:
+                self._work.wait(datetime.timedelta(seconds=seconds))
+        except RuntimeError as error:  # gloo / NCCL: "Connection closed by peer", timeouts, ...
+            if self._explain is None or isinstance(error, CollectiveError):
+                raise
+            raise self._explain(error, time.monotonic() - start, seconds) from error
         if self._finish is not None:
             self._finish()
         self._done = True
@@ -92,14 +110,14 @@ class _ChainWork:
 
     def wait(self, timeout: float | None = None) -> None:
         seconds = 2 * self._timeout_s + 10 if timeout is None else timeout
-        try:
-            self._future.result(timeout=seconds)
-        except FutureTimeout:
+        # futures.wait, not result(timeout): the step's own TimeoutError must not pass for the backstop's.
+        if not futures.wait([self._future], timeout=seconds).done:
             raise TimeoutError(
                 f"chained all_gather on {self._group.kind} group {list(self._group.ranks)} did not finish "
-                f"within {seconds:g} s of waiting for it (collective_timeout_s={self._timeout_s:g}); look for "
-                "an earlier error on another rank"
-            ) from None
+                f"within {seconds:g} s of waiting for it (collective_timeout_s="
+                f"{self._timeout_s:g}); look for an earlier error on another rank"
+            )
+        self._future.result()  # the step's own error, if it failed
 
     def is_completed(self) -> bool:
         return self._future.done()
@@ -134,16 +152,44 @@ class NativeEngine:
         self.timeout_s = timeout_s
         self._chain: ThreadPoolExecutor | None = None  # made at the first CPU all_gather_after
         self._side_stream: Any = None  # made at the first CUDA all_gather_after
+        self._board: FailureBoard | None = None
+        self.board()  # posts this rank's pid now, so survivors can tell it died ([Note: first failure])
 
-    def _run(self, group: Group, launch: Any, async_op: bool, finish: Any = None, *, on: torch.Tensor) -> Work:
-        """Launch a collective on the tensor `on`; a CUDA one is waited for on the device."""
+    def board(self) -> FailureBoard | None:
+        """The job's failure board in the default group's store; None without torch.distributed."""
+        if self._board is None and dist.is_available() and dist.is_initialized():
+            try:
+                store = dist.distributed_c10d._get_default_store()
+            except Exception:  # no store to share (a private torch API: fail soft)
+                return None
+            self._board = FailureBoard(store, dist.get_rank())
+        return self._board
+
+    def _run(
+        self, group: Group, launch: Any, async_op: bool, finish: Any = None, *, on: torch.Tensor, op: str = "collective"
+    ) -> Work:
+        """Launch the collective `op` on the tensor `on`; a CUDA one is waited for on the device."""
         if group.handle is None:
             raise AssertionError(f"this rank is not a member of {group.kind} group {group.ranks}")
-        work = NativeWork(launch(), timeout_s=self.timeout_s, finish=finish, on_device=on.is_cuda)
+
+        def explain(error: BaseException, waited: float, allowed: float) -> BaseException:
+            return self._explain(error, op, group, waited=waited, allowed=allowed)
+
+        work = NativeWork(launch(), timeout_s=self.timeout_s, finish=finish, on_device=on.is_cuda, explain=explain)
         if not async_op:
             work.wait()
             return CompletedWork()
         return work
+
+    def _explain(self, error: BaseException, op: str, group: Group, *, waited: float, allowed: float) -> BaseException:
+        """A gloo / NCCL failure, with the rank that failed first ([Note: first failure]): gloo's own
+        message names at best an address ("Connection closed by peer [127.0.0.1]:41234")."""
+        text = str(error)
+        timed_out = waited >= 0.95 * allowed or "timeout" in text.lower() or "timed out" in text.lower()
+        what = f"native {op} on {group.kind} group {list(group.ranks)}"
+        local = f"{what} failed after {waited:.3g} s of waiting (timeout {allowed:g} s): {text.strip()}"
+        message, culprit = culprit_message(self.board(), local, ranks=group.ranks, culprit=None, timed_out=timed_out)
+        return (CollectiveTimeoutError if timed_out else CollectiveError)(message, culprit)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False) -> Work:
         check_gather_shapes(output, input, group, "all_gather")
@@ -155,6 +201,7 @@ class NativeEngine:
             lambda: dist.all_gather_single(output, input, group=group.handle, async_op=True),
             async_op,
             on=output,
+            op="all_gather",
         )
 
     def all_gather_mesh(
@@ -174,7 +221,7 @@ class NativeEngine:
             if peer != me:
                 ops.append(dist.P2POp(dist.isend, input, peer, group=group.handle))
                 ops.append(dist.P2POp(dist.irecv, blocks[index], peer, group=group.handle))
-        return self._run(group, lambda: _AllOf(dist.batch_isend_irecv(ops)), async_op, on=output)
+        return self._run(group, lambda: _AllOf(dist.batch_isend_irecv(ops)), async_op, on=output, op="all_gather mesh")
 
     def all_gather_after(
         self,
@@ -242,6 +289,7 @@ class NativeEngine:
             async_op,
             finish,
             on=output,
+            op="reduce_scatter",
         )
 
     def reduce_scatter_spans(
@@ -271,6 +319,7 @@ class NativeEngine:
             async_op,
             _then(finish, back),
             on=tensor,
+            op="all_reduce",
         )
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False) -> Work:
@@ -285,6 +334,7 @@ class NativeEngine:
             async_op,
             back,
             on=tensor,
+            op="broadcast",
         )
 
     def barrier(self, group: Group) -> None:

@@ -2,6 +2,8 @@
 
 The C side (shardpar/csrc/shm_transport.c) moves data through one /dev/shm segment per communicator,
 in 1 MiB chunks with futex waits, timeouts and dead-peer detection; see its [Note: shm segment layout].
+Only the job's own user can create or attach a segment ([Note: shm trust]): a name taken by another
+uid raises ShmForeignSegmentError naming the owner and /dev/shm path.
 `ShmComm` is one communicator per process per group of local ranks; every rank of the group builds it
 with the same `key`, `group` and `size`, and its own `index` (0..size-1, the "local index").
 
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import re
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,9 +34,12 @@ from typing import Any
 
 import torch
 
+from shardpar.collectives.failures import host_id
+
 __all__ = [
     "ShmComm",
     "ShmError",
+    "ShmForeignSegmentError",
     "ShmPeerError",
     "ShmTimeoutError",
     "available",
@@ -45,7 +49,7 @@ __all__ = [
     "segment_name",
 ]
 
-_OK, _EINVAL, _ESYS, _ETIMEDOUT, _EPEERDEAD, _EPEERGONE, _EMISMATCH = 0, -1, -2, -3, -4, -5, -6
+_OK, _EINVAL, _ESYS, _ETIMEDOUT, _EPEERDEAD, _EPEERGONE, _EMISMATCH, _EFOREIGN = 0, -1, -2, -3, -4, -5, -6, -7
 # How the C transport names a peer in its messages ("rank 1 (local index) ...", "reported by rank 0").
 _LOCAL_RANK = re.compile(r"\brank (\d+) \(local index")
 _REPORTER = re.compile(r"reported by rank (\d+)")
@@ -57,7 +61,14 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 
 
 class ShmError(RuntimeError):
-    """A shared-memory collective failed; the communicator is aborted on every rank."""
+    """A shared-memory collective failed; the communicator is aborted on every rank.
+
+    `culprit` is the rank the transport blames (its global rank when the communicator knows its
+    members, else its local index), None when it blames nobody."""
+
+    def __init__(self, message: str, culprit: int | None = None) -> None:
+        super().__init__(message)
+        self.culprit = culprit
 
 
 class ShmTimeoutError(ShmError, TimeoutError):
@@ -66,6 +77,11 @@ class ShmTimeoutError(ShmError, TimeoutError):
 
 class ShmPeerError(ShmError):
     """A peer process died (or closed its communicator) while others waited for it."""
+
+
+class ShmForeignSegmentError(ShmError, PermissionError):
+    """The segment's name is taken by a segment this job does not own ([Note: shm trust] in
+    shm_transport.c); the message names its owner and path. It was neither attached nor removed."""
 
 
 def _find_library() -> Path | None:
@@ -121,12 +137,6 @@ def available() -> tuple[bool, str]:
     return _LIB is not None, _WHY_NOT
 
 
-def host_id() -> str:
-    """Same value for processes that can share /dev/shm: the host name plus the kernel's boot id."""
-    boot = Path("/proc/sys/kernel/random/boot_id")
-    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
-
-
 def _lib() -> ctypes.CDLL:
     if _LIB is None:
         raise RuntimeError(f"shm transport unavailable: {_WHY_NOT}")
@@ -140,7 +150,10 @@ def best_isa() -> str:
 
 
 def segment_name(key: str, group: str | int) -> str:
-    """The /dev/shm name of a communicator: `shardpar-<key>-<group>`; `key` must be unique per job."""
+    """The /dev/shm name of a communicator: `shardpar-<key>-<group>`. `key` must be unique per job and a
+    secret until the segment exists: another local user who guesses a name first can fail the job
+    (never attach; see [Note: shm trust] in shm_transport.c), so callers derive it from a random secret
+    exchanged over their process group."""
     for what, value in (("key", key), ("group", str(group))):
         if not _NAME_RE.match(value):
             raise ValueError(f"shm {what} {value!r} may only hold letters, digits, '_', '.' and '-'")
@@ -150,14 +163,29 @@ def segment_name(key: str, group: str | int) -> str:
     return name
 
 
-def _raise(status: int, message: str) -> None:
+def _raise(status: int, message: str, members: Sequence[int] | None = None) -> None:
+    """The exception for a transport status; the first peer the message names is the culprit."""
+    named = _LOCAL_RANK.search(message)
+    culprit = None if named is None else int(named[1]) if members is None else members[int(named[1])]
     if status == _ETIMEDOUT:
-        raise ShmTimeoutError(message)
+        raise ShmTimeoutError(_name_members(message, members), culprit)
     if status in (_EPEERDEAD, _EPEERGONE):
-        raise ShmPeerError(message)
+        raise ShmPeerError(_name_members(message, members), culprit)
+    if status == _EMISMATCH:
+        raise ShmError(_name_members(message, members), culprit)
+    if status == _EFOREIGN:
+        raise ShmForeignSegmentError(message)
     if status == _EINVAL:
         raise ValueError(message)
     raise ShmError(message)
+
+
+def _name_members(message: str, members: Sequence[int] | None) -> str:
+    """The transport names peers by local index; add each one's global rank when it is known."""
+    if members is None:
+        return message
+    message = _LOCAL_RANK.sub(lambda m: f"global rank {members[int(m[1])]} (local index {m[1]}", message)
+    return _REPORTER.sub(lambda m: f"reported by global rank {members[int(m[1])]}", message)
 
 
 def _dtype_code(t: torch.Tensor, op: str) -> int:
@@ -246,12 +274,12 @@ class ShmComm:
         self.patient = False
         lib = _lib()
         status = ctypes.c_int(0)
-        err = ctypes.create_string_buffer(512)
+        err = ctypes.create_string_buffer(1024)
         handle = lib.shm_comm_create(
             ("/" + self.name).encode(), index, size, chunk_bytes, timeout_s, ctypes.byref(status), err, len(err)
         )
         if not handle:
-            _raise(status.value, self._name_members(err.value.decode(errors="replace")))
+            _raise(status.value, err.value.decode(errors="replace"), self.members)
         self._handle = handle
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -290,15 +318,7 @@ class ShmComm:
 
     def _check(self, status: int) -> None:
         if status != _OK:
-            _raise(status, self._name_members(_lib().shm_comm_last_error(self._handle).decode(errors="replace")))
-
-    def _name_members(self, message: str) -> str:
-        """The transport names peers by local index; add each one's global rank when it is known."""
-        members = self.members
-        if members is None:
-            return message
-        message = _LOCAL_RANK.sub(lambda m: f"global rank {members[int(m[1])]} (local index {m[1]}", message)
-        return _REPORTER.sub(lambda m: f"reported by global rank {members[int(m[1])]}", message)
+            _raise(status, _lib().shm_comm_last_error(self._handle).decode(errors="replace"), self.members)
 
     # ---- collectives -----------------------------------------------------------------------------
 

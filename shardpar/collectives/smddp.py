@@ -24,20 +24,27 @@ counts every call by (op, route) so a test can pin where the bytes went.
 #
 # Communicators are created lazily by the worker at the first shm call on a rank set: that call is
 # itself collective over the set, so every member reaches the creation at the same point of its
-# sequence. Segment names are `shardpar-<key>-<rank set>`, with `key` drawn once by rank 0 and
-# broadcast over the world when the engine is built (engine construction is collective).
+# sequence. Segment names are `shardpar-j<HMAC-SHA256(secret, rank set)>-smddp`: the 128-bit `secret`
+# is drawn by rank 0 (`secrets.token_hex`) and sent over the world process group when the engine is
+# built (engine construction is collective); it never appears in /dev/shm, and a name seen there
+# tells nothing about the other groups' names ([Note: shm trust] in shm_transport.c).
+#
+# Failures name the rank that failed first ([Note: first failure], failures.py): a step's error
+# (the transport's, naming a peer) is posted to the job's store and re-raised, as its cause, under
+# a message that adds the first failure any rank posted.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
+import secrets
 import threading
-import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +62,7 @@ from shardpar.collectives.base import (
     check_spans,
     pack_spans,
 )
+from shardpar.collectives.failures import CollectiveError, CollectiveTimeoutError, culprit_message
 from shardpar.collectives.hierarchical import HierarchicalSteps, hierarchical_all_gather
 from shardpar.collectives.native import NativeEngine
 
@@ -88,24 +96,44 @@ class SmddpWork:
     By default `wait` allows twice the engine's timeout plus 10 s, counted from the call to `wait`:
     inside the step every shm wait already has the engine's timeout and fails naming the missing
     peer, and that error (raised here) is the useful one. This deadline is the backstop for a
-    worker that stopped making progress at all."""
+    worker that stopped making progress at all. `explain` turns a failure into the error to raise
+    (the engine's: it names the rank that failed first); without it the step's error is raised."""
 
     def __init__(
-        self, future: Future[None], timeout_s: float, op: str = "collective", group: Group | None = None
+        self,
+        future: Future[None],
+        timeout_s: float,
+        op: str = "collective",
+        group: Group | None = None,
+        explain: Callable[[BaseException, bool], BaseException] | None = None,
     ) -> None:
         self._future, self._timeout_s, self._op, self._group = future, timeout_s, op, group
+        self._explain = explain
 
     def wait(self, timeout: float | None = None) -> None:
         seconds = 2 * self._timeout_s + 10 if timeout is None else timeout
-        try:
-            self._future.result(timeout=seconds)
-        except FutureTimeout:
+        # Not future.result(timeout): its TimeoutError is the builtin one (Python >= 3.11), which the
+        # step's own ShmTimeoutError subclasses, so catching it would hide the transport's message.
+        done, _ = futures.wait([self._future], timeout=seconds)
+        if not done:
             where = f" on {self._group.kind} group {list(self._group.ranks)}" if self._group is not None else ""
-            raise TimeoutError(
-                f"smddp {self._op}{where} did not finish within {seconds:g} s of waiting for it (collective_timeout_s="
-                f"{self._timeout_s:g}); look for an earlier error on another rank, or raise collective_timeout_s "
-                "if the ranks are only slow"
-            ) from None
+            stuck = TimeoutError(
+                f"smddp {self._op}{where} did not finish within {seconds:g} s of waiting for it "
+                f"(collective_timeout_s={self._timeout_s:g}); look for an earlier error on another rank, or raise "
+                "collective_timeout_s if the ranks are only slow"
+            )
+            if self._explain is None:
+                raise stuck
+            raise self._explain(stuck, True)
+        error = self._future.exception()
+        if error is None:
+            return
+        if self._explain is None:
+            raise error
+        explained = self._explain(error, False)
+        if explained is error:
+            raise error
+        raise explained from error
 
     def is_completed(self) -> bool:
         return self._future.done()
@@ -130,7 +158,7 @@ class SmddpEngine:
         self.rank = dist.get_rank() if dist_up else 0
         self.world = dist.get_world_size() if dist_up else 1
         self.options = opts.resolved(self.world)
-        self.key = _agree_on_job(dist_up and self.world > 1, self.world, self.ranks_per_node)
+        self._secret = _agree_on_job(dist_up and self.world > 1, self.rank, self.world, self.ranks_per_node)
         self.fallbacks: Counter[tuple[str, str]] = Counter()
         self.routes: Counter[tuple[str, str]] = Counter()
         self._comms: dict[tuple[int, ...], shm.ShmComm] = {}
@@ -183,17 +211,48 @@ class SmddpEngine:
     # ---- the worker ------------------------------------------------------------------------------
 
     def _submit(self, fn: Callable[[], None], async_op: bool, op: str, group: Group) -> Work:
-        """Run `fn` (the collective `op` on `group`, named only if its wait times out)."""
+        """Run `fn` (the collective `op` on `group`, named in its errors)."""
+
+        def explain(error: BaseException, timed_out: bool) -> BaseException:
+            return self._explain(error, op, group, timed_out=timed_out)
+
         if not async_op and (self._last is None or self._last.done()):
             # Nothing queued (FIFO, one worker): run on the caller and skip the thread hand-off.
-            fn()
+            try:
+                fn()
+            except Exception as error:
+                explained = explain(error, False)
+                if explained is error:
+                    raise
+                raise explained from error
             return CompletedWork()
         self._last = self._worker.submit(fn)
-        work = SmddpWork(self._last, self.options.timeout_s, op, group)
+        work = SmddpWork(self._last, self.options.timeout_s, op, group, explain)
         if async_op:
             return work
         work.wait()
         return CompletedWork()
+
+    def _explain(self, error: BaseException, op: str, group: Group, *, timed_out: bool) -> BaseException:
+        """The error to raise for a failed step: a transport or backstop failure names the rank that
+        failed first ([Note: first failure]); other errors (bad arguments, already explained native
+        steps) are raised as they are."""
+        board = self.native.board()
+        if isinstance(error, CollectiveError) or board is None:
+            return error
+        if isinstance(error, shm.ShmError) and error.culprit is None:
+            board.post(self.rank, str(error))  # this rank's own failure (a foreign segment, a system call)
+            return error
+        if not isinstance(error, shm.ShmError) and not (timed_out and isinstance(error, TimeoutError)):
+            return error
+        culprit = error.culprit if isinstance(error, shm.ShmError) else None
+        timed_out = timed_out or isinstance(error, shm.ShmTimeoutError)
+        what = f"smddp {op} on {group.kind} group {list(group.ranks)}"
+        local = f"{what}: {error}"
+        message, first = culprit_message(board, local, ranks=group.ranks, culprit=culprit, timed_out=timed_out)
+        if isinstance(error, shm.ShmError):
+            return type(error)(message, first)  # the same class: callers catching ShmPeerError still do
+        return CollectiveTimeoutError(message, first)
 
     def _mark_worker(self) -> None:
         self._worker_ident = threading.get_ident()
@@ -205,9 +264,13 @@ class SmddpEngine:
         synchronous call queued behind async ones runs there too, patient, while the caller waits."""
         comm = self._comms.get(ranks)
         if comm is None:
-            tag = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
             comm = shm.ShmComm(
-                self.key, tag, ranks.index(self.rank), len(ranks), timeout_s=self.options.timeout_s, members=ranks
+                segment_key(self._secret, ranks),
+                "smddp",
+                ranks.index(self.rank),
+                len(ranks),
+                timeout_s=self.options.timeout_s,
+                members=ranks,
             )
             self._comms[ranks] = comm
         comm.set_patient(threading.get_ident() == self._worker_ident)
@@ -380,6 +443,13 @@ class SmddpEngine:
         )
 
 
+def segment_key(secret: str, ranks: Sequence[int]) -> str:
+    """The key in the segment name of the group `ranks`: HMAC-SHA256 under the engine's secret, so a
+    name seen in /dev/shm reveals neither the secret nor any other group's name ([Note: smddp ordering])."""
+    digest = hmac.new(secret.encode(), ",".join(map(str, ranks)).encode(), hashlib.sha256).hexdigest()
+    return f"j{digest[:32]}"
+
+
 def _split_by_node(ranks: tuple[int, ...], rpn: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]] | None:
     """(per-node members, cross-node peers at the same position) or None when nodes hold unequal counts."""
     by_node: dict[int, list[int]] = {}
@@ -391,11 +461,12 @@ def _split_by_node(ranks: tuple[int, ...], rpn: int) -> tuple[list[tuple[int, ..
     return per_node, [tuple(node[i] for node in per_node) for i in range(len(per_node[0]))]
 
 
-def _agree_on_job(collective: bool, world: int, ranks_per_node: int) -> str:
-    """A key unique to this engine in this job (rank 0's draw), after checking that every rank counts
-    the same ranks per node and that no node spans two hosts: its ranks could not share memory, and
-    would wait for each other at the first shm collective until the timeout."""
-    mine = (uuid.uuid4().hex[:16], shm.host_id(), ranks_per_node)
+def _agree_on_job(collective: bool, rank: int, world: int, ranks_per_node: int) -> str:
+    """A secret of this engine in this job (rank 0's draw, sent over the process group: never through
+    /dev/shm or the store), after checking that every rank counts the same ranks per node and that no
+    node spans two hosts: its ranks could not share memory, and would wait for each other at the first
+    shm collective until the timeout."""
+    mine = (secrets.token_hex(16) if rank == 0 else "", shm.host_id(), ranks_per_node)
     replies: list[Any] = [mine]
     if collective:
         replies = [None] * world  # all_gather_object fills every entry
@@ -416,7 +487,8 @@ def _agree_on_job(collective: bool, world: int, ranks_per_node: int) -> str:
                 f"different hosts ({other_host!r}, {host!r}) and cannot share memory: set ranks_per_node "
                 "(or LOCAL_WORLD_SIZE) to the number of ranks each host runs"
             )
-    return f"j{replies[0][0]}"
+    secret: str = replies[0][0]
+    return secret
 
 
 # Importing this module makes `init_process_group(backend="smddp")` work (reference 000: SMDDP is the

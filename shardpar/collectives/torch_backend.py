@@ -24,11 +24,16 @@ NCCL (CUDA), which it registers inside itself:
 # Shm calls run on one worker thread per group, in issue order, and return a `Work` built from a
 # torch Future: the caller overlaps them with compute exactly as with NCCL. Every wait inside the
 # transport is bounded by the group's timeout, and a dead peer raises, so the Future always completes.
+#
+# The segment's name carries a 128-bit secret that rank 0 draws and broadcasts over the group's own
+# gloo backend when the group is built: not through the store, which any local user who reaches its
+# port can read, and never through /dev/shm ([Note: shm trust] in shm_transport.c). A failed shm call
+# names the rank that failed first, read from the job's store ([Note: first failure], failures.py).
 """
 
 from __future__ import annotations
 
-import uuid
+import secrets
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +51,7 @@ from torch._C._distributed_c10d import (
 from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
 
 from shardpar.collectives import shm
+from shardpar.collectives.failures import FailureBoard, culprit_message
 
 BACKEND_NAME = "smddp"
 _REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,15 +70,18 @@ class SmddpProcessGroup(dist.ProcessGroup):
         self.routes: Counter[tuple[str, str]] = Counter()
         self.why_not_shm = self._why_not_shm(dist.PrefixStore("smddp/", store), rank, size)
         self._comm: shm.ShmComm | None = None
-        self._key = ""
         self._worker: ThreadPoolExecutor | None = None
+        # The default group is being built: no global rank yet, and it is the group rank.
+        global_rank = dist.get_rank() if dist.is_initialized() else rank
+        self._board = FailureBoard(store, global_rank)
         if not self.why_not_shm:
-            self._key = self._agree_on_key(dist.PrefixStore("smddp/", store), rank)
+            members = self._global_ranks(dist.PrefixStore("smddp/", store), rank, size, global_rank)
+            key = self._agree_on_secret(rank)
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smddp-pg")
             # Attached now, while every member is known to be alive and constructing this group: the
             # segment's name is unlinked once all have attached, so a member that fails later leaks
             # nothing (attached at a first collective, a member failing before it left the name behind).
-            self._comm = shm.ShmComm(self._key, "world", rank, size, timeout_s=self.timeout_s)
+            self._comm = shm.ShmComm(key, "world", rank, size, timeout_s=self.timeout_s, members=members)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -106,10 +115,20 @@ class SmddpProcessGroup(dist.ProcessGroup):
         return "" if len(hosts) == 1 else f"members on {len(hosts)} hosts"
 
     @staticmethod
-    def _agree_on_key(store: Any, rank: int) -> str:
+    def _global_ranks(store: Any, rank: int, size: int, global_rank: int) -> list[int]:
+        """Every member's global rank, by group rank: errors name ranks as the launcher's logs do."""
+        store.set(f"global/{rank}", str(global_rank))
+        return [int(store.get(f"global/{r}")) for r in range(size)]  # bounded by the store's timeout
+
+    def _agree_on_secret(self, rank: int) -> str:
+        """Rank 0's secret, broadcast over the group's gloo backend (see the module docstring)."""
+        secret = torch.zeros(16, dtype=torch.uint8)
         if rank == 0:
-            store.set("key", uuid.uuid4().hex[:16])
-        return f"pg{store.get('key').decode()}"
+            secret.copy_(torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8))
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        self._backend([secret]).broadcast([secret], opts).wait()
+        return f"pg{bytes(secret.tolist()).hex()}"
 
     def _shm(self) -> shm.ShmComm:
         if self._comm is None:
@@ -151,7 +170,10 @@ class SmddpProcessGroup(dist.ProcessGroup):
             try:
                 fn(self._shm())
             except BaseException as exc:  # handed to whoever waits on the Work
-                raw.set_result(_Failed(exc))
+                try:
+                    exc = self._explain(exc)
+                finally:  # whatever happens, the Work completes
+                    raw.set_result(_Failed(exc))
             else:
                 raw.set_result(result)
 
@@ -160,6 +182,21 @@ class SmddpProcessGroup(dist.ProcessGroup):
         work = _ShmWork(raw)  # chained before the task can complete raw: its callback sees every outcome
         self._worker.submit(task)
         return work
+
+    def _explain(self, error: BaseException) -> BaseException:
+        """A transport failure, re-raised (same class, the original as its cause) with the rank that
+        failed first ([Note: first failure]); anything else as it is."""
+        if not isinstance(error, shm.ShmError) or isinstance(error, shm.ShmForeignSegmentError):
+            return error
+        comm = self._shm()
+        ranks = comm.members if comm.members is not None else list(range(comm.size))
+        timed_out = isinstance(error, shm.ShmTimeoutError)
+        message, first = culprit_message(
+            self._board, str(error), ranks=ranks, culprit=error.culprit, timed_out=timed_out
+        )
+        explained = type(error)(message, first)
+        explained.__cause__ = error
+        return explained
 
     # ---- the collectives served from shared memory -----------------------------------------------
 

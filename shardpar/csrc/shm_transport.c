@@ -2,7 +2,8 @@
  *
  * [Note: shm segment layout]
  *
- *   /dev/shm/shardpar-<key>-<group>   (mode 0600, unlinked as soon as every rank attached)
+ *   /dev/shm/shardpar-<key>-<group>   (mode 0600, unlinked as soon as every rank attached; the name is
+ *                                      a secret until then, see [Note: shm trust])
  *
  *   +-----------------+---------------------------------+---------+-------------------------------------+
  *   | shm_header      | rank_ctl[0] ... rank_ctl[n-1]   | pad to  | slot[r][b], r < n, b < NUM_BUFS,     |
@@ -39,6 +40,20 @@
  * stopped by its launcher while it waits for a member that already failed (the next creator with the
  * same key then fails with EEXIST and says so). Callers attach when every member is known to be alive
  * (at group construction) to keep that window short.
+ *
+ * [Note: shm trust]
+ * Trusted: the job's user (one effective uid) and its ranks. /dev/shm is world-writable and its listing
+ * world-readable, so another local user can see a name once it exists and can create any name not yet
+ * taken. So (1) callers make names unguessable and never show one before it is used: the Python side
+ * derives each name from a secret drawn per job (or per process group) and exchanged over the process
+ * group, never through /dev/shm; (2) the creator uses O_EXCL with mode 0600 and never adopts an existing
+ * segment; (3) a joiner maps a segment only when fstat says it belongs to our effective uid and grants
+ * no group/other bits: a segment that another uid created (or made accessible) under our name is
+ * refused with SHM_EFOREIGN naming its owner and path, and is neither mapped nor unlinked (it is not
+ * ours; /dev/shm's sticky bit would refuse the unlink anyway unless we are root). Another uid can at
+ * worst take a name first, which fails the job with that error -- it cannot attach (0600), feed data
+ * or read it. Processes of the job's own uid are trusted: they can open, map and write our segments
+ * (as they could ptrace the ranks).
  */
 #define _GNU_SOURCE
 #include "shm_transport.h"
@@ -46,6 +61,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pwd.h>
 #include <linux/futex.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -135,7 +151,7 @@ struct shm_comm {
     int unlinked;
     const char *op;
     char name[256];
-    char err[512];
+    char err[1024];
 };
 
 static inline char *slot(const shm_comm *c, int rank, uint32_t buf) {
@@ -686,12 +702,54 @@ static int map_segment(shm_comm *c, int fd) {
     return SHM_OK;
 }
 
+/* "uid 65534 (nobody)" */
+static void describe_uid(uid_t uid, char *out, size_t len) {
+    struct passwd pw, *found = NULL;
+    char buf[1024];
+    if (getpwuid_r(uid, &pw, buf, sizeof(buf), &found) == 0 && found != NULL)
+        snprintf(out, len, "uid %u (%s)", (unsigned)uid, found->pw_name);
+    else
+        snprintf(out, len, "uid %u", (unsigned)uid);
+}
+
+/* SHM_EFOREIGN naming the owner of the segment that holds our name (see [Note: shm trust]). */
+static int refuse_foreign(shm_comm *c, const struct stat *sb, const char *what) {
+    char owner[320], me[320];
+    describe_uid(sb->st_uid, owner, sizeof(owner));
+    describe_uid(geteuid(), me, sizeof(me));
+    return fail(c, SHM_EFOREIGN, "shm connect: /dev/shm%s %s, owned by %s with mode %04o; this job runs as %s "
+                "and only attaches segments it owns that grant nothing to group or others: refused, not attached "
+                "and not removed (another user may be interfering with this job)", c->name, what, owner,
+                (unsigned)(sb->st_mode & 07777), me);
+}
+
+/* Ours: a regular file of our effective uid that grants nothing to group or others. */
+static int owned_by_us(const struct stat *sb) {
+    return S_ISREG(sb->st_mode) && sb->st_uid == geteuid() && (sb->st_mode & 077) == 0;
+}
+
+/* The existing /dev/shm entry for our name (stat needs no permission on the file itself). */
+static int stat_name(const shm_comm *c, struct stat *sb) {
+    char path[300];
+    snprintf(path, sizeof(path), "/dev/shm%s", c->name);
+    return lstat(path, sb);
+}
+
 static int create_segment(shm_comm *c) {
     int fd = shm_open(c->name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    if (fd < 0 && errno == EEXIST)
-        return fail(c, SHM_ESYS, "shm connect: %s already exists: another job uses the same key, or a crashed "
-                    "run left it (remove /dev%s)", c->name, c->name);
+    if (fd < 0 && errno == EEXIST) {
+        struct stat sb;
+        if (stat_name(c, &sb) == 0 && !owned_by_us(&sb)) return refuse_foreign(c, &sb, "already exists");
+        return fail(c, SHM_ESYS, "shm connect: /dev/shm%s already exists: another run of this user uses the same "
+                    "key, or a crashed run left it (remove /dev/shm%s)", c->name, c->name);
+    }
     if (fd < 0) return fail(c, SHM_ESYS, "shm connect: shm_open(%s) failed: %s", c->name, strerror(errno));
+    if (fchmod(fd, 0600) != 0) { /* exactly 0600 whatever the umask took away: joiners need rw */
+        int e = errno;
+        close(fd);
+        shm_unlink(c->name);
+        return fail(c, SHM_ESYS, "shm connect: fchmod(%s, 0600) failed: %s", c->name, strerror(e));
+    }
     if (ftruncate(fd, (off_t)c->map_bytes) != 0) {
         int e = errno;
         close(fd);
@@ -732,13 +790,26 @@ static int timed_out(shm_comm *c, long long deadline, int culprit, const char *w
 static int open_segment(shm_comm *c, long long deadline) {
     int fd;
     long long pause = 200000; /* 0.2 ms, backing off to 10 ms */
+    struct stat sb;
     while ((fd = shm_open(c->name, O_RDWR | O_CLOEXEC, 0)) < 0) {
-        if (errno != ENOENT) return fail(c, SHM_ESYS, "shm connect: shm_open(%s): %s", c->name, strerror(errno));
+        int e = errno;
+        if (e == EACCES && stat_name(c, &sb) == 0 && !owned_by_us(&sb))
+            return refuse_foreign(c, &sb, "exists");
+        if (e != ENOENT) return fail(c, SHM_ESYS, "shm connect: shm_open(%s): %s", c->name, strerror(e));
         if (timed_out(c, deadline, 0, "the segment was never created")) return SHM_ETIMEDOUT;
         sleep_ns(pause);
         pause = pause * 2 > 10000000 ? 10000000 : pause * 2;
     }
-    struct stat sb;
+    /* Checked on the open descriptor, before anything is mapped: see [Note: shm trust]. */
+    if (fstat(fd, &sb) != 0) {
+        int e = errno;
+        close(fd);
+        return fail(c, SHM_ESYS, "shm connect: fstat(%s): %s", c->name, strerror(e));
+    }
+    if (!owned_by_us(&sb)) {
+        close(fd);
+        return refuse_foreign(c, &sb, "exists");
+    }
     while (fstat(fd, &sb) == 0 && (size_t)sb.st_size < c->map_bytes) {
         if (sb.st_size != 0 || timed_out(c, deadline, 0, "the segment was never sized")) {
             close(fd);

@@ -24,6 +24,7 @@ extern "C" {
 #define SHM_EPEERDEAD (-4)  /* a peer process died (message names it)                     */
 #define SHM_EPEERGONE (-5)  /* a peer closed its communicator while others still waited   */
 #define SHM_EMISMATCH (-6)  /* ranks called different collectives / sizes / parameters    */
+#define SHM_EFOREIGN (-7)   /* the segment's name is taken by a segment that is not ours   */
 
 #define SHM_DTYPE_F32 0
 #define SHM_DTYPE_BF16 1
@@ -39,8 +40,11 @@ extern "C" {
 
 typedef struct shm_comm shm_comm;
 
-/* `name` is the POSIX shm name ("/shardpar-<key>-<group>"); index 0 creates it (mode 0600), the
- * others open it (retrying until `timeout_s`). It is unlinked as soon as all ranks attached.
+/* `name` is the POSIX shm name ("/shardpar-<key>-<group>"); index 0 creates it (O_EXCL, mode 0600), the
+ * others open it (retrying until `timeout_s`) and attach only when it belongs to this process's
+ * effective uid and has no group/other permission bits (SHM_EFOREIGN otherwise, naming the owner and
+ * the path; a foreign segment is never mapped nor unlinked). It is unlinked as soon as all ranks
+ * attached. See [Note: shm trust] in shm_transport.c.
  * On failure returns NULL, writes the message to errbuf and the status to *status. */
 shm_comm *shm_comm_create(const char *name, int index, int nranks, uint64_t chunk_bytes, double timeout_s,
                           int *status, char *errbuf, size_t errlen);

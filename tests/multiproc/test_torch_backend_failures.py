@@ -138,6 +138,7 @@ def test_a_dead_peer_fails_the_survivors_work(tmp_path: Path) -> None:
     survivor, dead = _run("_dead_peer", tmp_path)
     assert dead is None and survivor is not None
     assert survivor["sync"].startswith("ShmPeerError") and "died" in survivor["sync"], survivor
+    assert "rank 1 failed first: shm all_reduce: global rank 1 (local index 1" in survivor["sync"], survivor
     assert "returned" not in survivor["async_future"] and "Shm" in survivor["async_future"], survivor
 
 

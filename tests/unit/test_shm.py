@@ -14,8 +14,10 @@ import contextlib
 import itertools
 import multiprocessing as mp
 import os
+import pwd
 import signal
 import stat
+import struct
 import tempfile
 import threading
 import time
@@ -529,3 +531,127 @@ def test_sigkilled_rank_errors_survivors_and_leaks_nothing(ranks: Callable[[int]
         assert kind == "ShmPeerError" and f"rank {victim} (local index" in message and "died" in message, message
         assert failed_at - killed_at < 2.0, failed_at - killed_at  # liveness check, not the 30 s timeout
     assert _leftovers(key) == []
+
+
+# ---- trust: only the job's own user creates or attaches a segment ([Note: shm trust]) -------------
+
+CHUNK = 4096
+SEGMENT_BYTES = 4096 + 2 * 2 * CHUNK  # 2 ranks: header page + 2 slots of CHUNK per rank
+
+
+def _in_child_as(uid: int, gid: int, fn: Callable[[], None]) -> int:
+    """Run `fn` in a forked child that switched to uid/gid for good; its exit code (0: fn returned)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (child)
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _forge_segment(path: Path, mode: int) -> None:
+    """A segment that a pre-fix joiner would have attached: sized, initialised for 2 ranks of CHUNK,
+    rank 0 "attached" by a live pid (this test's), so the joiner would write its pid and unlink it."""
+    header = bytearray(SEGMENT_BYTES)
+    struct.pack_into("<IIIIQQQI", header, 0, 0x53504D31, 1, 2, 2, CHUNK, SEGMENT_BYTES, 4096, 1)
+    struct.pack_into("<Ii", header, 128, 0, os.getppid())  # rank_ctl[0]: cnt, pid (the test process)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode)
+    try:
+        os.fchmod(fd, mode)  # past the umask
+        os.write(fd, bytes(header))
+    finally:
+        os.close(fd)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching to the attacker's uid needs root")
+
+
+@needs_root
+@pytest.mark.parametrize("mode", [0o644, 0o600], ids=["0644", "0600"])
+@pytest.mark.parametrize("index", [0, 1], ids=["creator", "joiner"])
+def test_a_name_taken_by_another_user_is_refused_and_left_alone(index: int, mode: int) -> None:
+    nobody = pwd.getpwnam("nobody")
+    key = _key()
+    path = DEV_SHM / shm.segment_name(key, "g")
+    assert _in_child_as(nobody.pw_uid, nobody.pw_gid, lambda: _forge_segment(path, mode)) == 0
+    try:
+        before = path.read_bytes()
+        t0 = time.monotonic()
+        with pytest.raises(shm.ShmForeignSegmentError) as caught:
+            shm.ShmComm(key, "g", index, 2, timeout_s=5.0, chunk_bytes=CHUNK)
+        message = str(caught.value)
+        assert f"/dev/shm/{path.name}" in message and "owned by uid 65534 (nobody)" in message, message
+        assert f"mode {mode:04o}" in message and "this job runs as uid 0 (root)" in message, message
+        assert time.monotonic() - t0 < 2.0  # refused at once, not after the timeout
+        assert path.exists() and path.read_bytes() == before  # never attached, never unlinked
+        assert path.stat().st_uid == nobody.pw_uid
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@needs_root
+def test_a_non_root_job_names_the_owner_of_a_segment_it_cannot_open() -> None:
+    """A job that is not root cannot even open another user's 0600 segment (EACCES): same refusal."""
+    nobody = pwd.getpwnam("nobody")
+    key, job_uid = _key(), 54321  # a uid with no passwd entry: named by number
+    path = DEV_SHM / shm.segment_name(key, "g")
+    assert _in_child_as(nobody.pw_uid, nobody.pw_gid, lambda: _forge_segment(path, 0o600)) == 0
+    verdict = Path(tempfile.mkdtemp()) / "verdict"
+    os.chmod(verdict.parent, 0o777)
+
+    def join() -> None:
+        try:
+            shm.ShmComm(key, "g", 1, 2, timeout_s=5.0, chunk_bytes=CHUNK)
+        except shm.ShmForeignSegmentError as exc:
+            verdict.write_text(str(exc))
+
+    try:
+        assert _in_child_as(job_uid, job_uid, join) == 0
+        message = verdict.read_text()
+        assert f"/dev/shm/{path.name}" in message and "owned by uid 65534 (nobody)" in message, message
+        assert f"this job runs as uid {job_uid} " in message, message
+        assert path.exists() and path.stat().st_uid == nobody.pw_uid
+    finally:
+        path.unlink(missing_ok=True)
+        verdict.unlink(missing_ok=True)
+        verdict.parent.rmdir()
+
+
+def test_a_segment_of_ours_open_to_others_is_refused() -> None:
+    key = _key()
+    path = DEV_SHM / shm.segment_name(key, "g")
+    _forge_segment(path, 0o640)  # our uid, but group-readable: someone made it accessible
+    try:
+        with pytest.raises(shm.ShmForeignSegmentError, match=r"mode 0640"):
+            shm.ShmComm(key, "g", 1, 2, timeout_s=5.0, chunk_bytes=CHUNK)
+        assert path.exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_leftover_segment_of_ours_names_its_dev_shm_path() -> None:
+    key = _key()
+    path = DEV_SHM / shm.segment_name(key, "g")
+    _forge_segment(path, 0o600)
+    try:
+        with pytest.raises(shm.ShmError, match=rf"remove /dev/shm/{path.name}\)"):
+            shm.ShmComm(key, "g", 0, 2, timeout_s=5.0, chunk_bytes=CHUNK)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_engine_segment_names_reveal_neither_the_secret_nor_other_groups_names() -> None:
+    from shardpar.collectives.smddp import _agree_on_job, segment_key
+
+    secret = _agree_on_job(False, 0, 1, 1)  # rank 0's draw, as the engine makes it
+    assert len(secret) == 32 and int(secret, 16) >= 0 and secret != _agree_on_job(False, 0, 1, 1)
+    names = {ranks: shm.segment_name(segment_key(secret, ranks), "smddp") for ranks in [(0, 1), (2, 3), (0, 2)]}
+    assert len(set(names.values())) == 3 and all(secret not in name for name in names.values()), names
+    assert names[(0, 1)] == shm.segment_name(segment_key(secret, (0, 1)), "smddp")  # every member agrees
+    assert segment_key(secret, (0, 1)) != segment_key(secret[::-1], (0, 1))  # another job: other names
