@@ -220,15 +220,23 @@ class Topology:
         if kind == "world":
             return Group(kind, my_ranks, dist.group.WORLD)
         handle: Any = None
+        # The node step of a hierarchical AllGather runs on the engine's chain thread, while the main
+        # thread may run other collectives: a process group shared with another kind (the "node" group
+        # has the same ranks when tp is 1) would see the two threads' calls in a different order on
+        # different ranks. So "sharding_node" never shares one ([Note: hierarchical chaining]).
+        private = kind == "sharding_node"
         # torch.distributed.new_group must be called by every rank, for every group, in one order.
         for ranks in self.plan.all_groups(kind):
-            if len(ranks) == self.plan.world:
-                pg: Any = dist.group.WORLD
+            if private:
+                pg: Any = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+            elif len(ranks) == self.plan.world:
+                pg = dist.group.WORLD
             elif ranks in self._by_ranks:
                 pg = self._by_ranks[ranks]
             else:
                 pg = dist.new_group(list(ranks), timeout=timeout, backend=backend)
-            self._by_ranks[ranks] = pg
+            if not private:
+                self._by_ranks[ranks] = pg
             if ranks == my_ranks:
                 handle = pg
         return Group(kind, my_ranks, handle)

@@ -131,14 +131,21 @@ class _DeferredGather:
 
     def __init__(self, run: Callable[[float | None], None]) -> None:
         self._run: Callable[[float | None], None] | None = run
+        self._error: BaseException | None = None
 
     def wait(self, timeout: float | None = None) -> None:
+        if self._error is not None:  # a second wait after a failure fails again, never "done"
+            raise self._error
         run, self._run = self._run, None
         if run is not None:
-            run(timeout)
+            try:
+                run(timeout)
+            except BaseException as exc:
+                self._error = exc
+                raise
 
     def is_completed(self) -> bool:
-        return self._run is None
+        return self._run is None and self._error is None
 
 
 def all_gather_after(

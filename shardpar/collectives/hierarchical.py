@@ -18,9 +18,13 @@ Results are bit-identical to the flat gather: only copies happen.
 # [Note: hierarchical chaining]
 # Step 2 and the permute are chained on step 1 when the gather is issued (`all_gather_after`: the
 # smddp worker, the native engine's chain thread, or a side stream on CUDA), so an async gather --
-# a prefetch -- completes while the caller computes; `wait` only waits. Both scratch buffers (blocks
-# and staged, `scratch_numel`) are reported through `on_scratch` when allocated and released in
-# `wait`, so the live-parameter cap counts them (they may be freed a little earlier, never later).
+# a prefetch -- completes while the caller computes; `wait` only waits. Step 2 runs on another thread
+# than the caller's collectives, so its group ("sharding_node") has a process group of its own, shared
+# with no other kind (topology.py): two threads on one group would issue in a different order on
+# different ranks. Both scratch buffers (blocks and staged, `scratch_numel`) are reported through
+# `on_scratch` when allocated and released in `wait`. On the host paths that is after the last use;
+# on CUDA `wait` only queues the wait, so the side stream may still be using them for a moment: the
+# cap counts what the host holds, and the caching allocator keeps the blocks until their stream is done.
 """
 
 from __future__ import annotations

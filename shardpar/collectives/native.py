@@ -126,12 +126,13 @@ class _ChainWork:
 class _EventWork:
     """Chained steps on a CUDA side stream: waiting makes the current stream wait on their end."""
 
-    def __init__(self, event: Any, timeout_s: float) -> None:
-        self._event, self._timeout_s = event, timeout_s
+    def __init__(self, event: Any, timeout_s: float, device: torch.device) -> None:
+        self._event, self._timeout_s, self._device = event, timeout_s, device
 
     def wait(self, timeout: float | None = None) -> None:
         if timeout is None:
-            torch.cuda.current_stream().wait_event(self._event)  # see [Note: waits on the device]
+            # the output's device's current stream, not the current device's ([Note: waits on the device])
+            torch.cuda.current_stream(self._device).wait_event(self._event)
             return
         deadline = time.monotonic() + timeout
         while not self._event.query():
@@ -223,6 +224,12 @@ class NativeEngine:
                 ops.append(dist.P2POp(dist.irecv, blocks[index], peer, group=group.handle))
         return self._run(group, lambda: _AllOf(dist.batch_isend_irecv(ops)), async_op, on=output, op="all_gather mesh")
 
+    def close(self) -> None:
+        """Stop the chain thread after what it has queued (local; no collective)."""
+        if self._chain is not None:
+            self._chain.shutdown(wait=True, cancel_futures=False)
+            self._chain = None
+
     def all_gather_after(
         self,
         output: torch.Tensor,
@@ -267,7 +274,7 @@ class NativeEngine:
         # Made on the caller's stream, used on the side stream: not reused before the side stream is done.
         output.record_stream(stream)
         input.record_stream(stream)
-        return _EventWork(event, self.timeout_s)
+        return _EventWork(event, self.timeout_s, output.device)
 
     def reduce_scatter(
         self,

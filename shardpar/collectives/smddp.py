@@ -380,6 +380,7 @@ class SmddpEngine:
     def close(self) -> None:
         """Finish queued work, then unmap every segment (local; no collective)."""
         self._worker.shutdown(wait=True)
+        self.native.close()
         for comm in self._comms.values():
             comm.close()
         self._comms.clear()

@@ -239,3 +239,21 @@ def test_world_of_one_without_launcher(monkeypatch) -> None:
     finally:
         smp.shutdown()
     assert not smp.is_initialized() and "WORLD_SIZE" not in os.environ
+
+
+def _node_groups() -> dict:
+    smp.init({"sharded_data_parallel_degree": 4, "ranks_per_node": 2, "ddp_dist_backend": "nccl"})
+    topo = smp.get_topology()
+    node, sharding_node = topo.group("node"), topo.group("sharding_node")
+    return {
+        "same_ranks": node.ranks == sharding_node.ranks,
+        "shared": node.handle is sharding_node.handle,
+        "others": [k for k, g in topo.groups.items() if k != "sharding_node" and g.handle is sharding_node.handle],
+    }
+
+
+def test_the_hierarchical_node_group_has_a_process_group_of_its_own(ranks) -> None:
+    """Its step runs on the engine's chain thread; a process group shared with the "node" group (the
+    same ranks at tp 1) would let the main thread's collectives and the chain's mismatch across ranks."""
+    for r in ranks.run(4, _node_groups):
+        assert r["same_ranks"] and not r["shared"] and not r["others"], r

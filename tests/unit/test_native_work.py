@@ -8,6 +8,7 @@ import datetime
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from shardpar.collectives import Group, NativeEngine
@@ -57,3 +58,21 @@ def test_avg_emulation_runs_after_the_wait() -> None:
     work = NativeEngine()._run(GROUP, lambda: inner, True, lambda: order.append(len(inner.waits)), on=torch.zeros(1))
     work.wait()
     assert order == [1]
+
+
+def test_a_deferred_gather_that_failed_fails_again_on_a_second_wait() -> None:
+    """An engine without all_gather_after runs the chained gather inside wait(); a second wait after a
+    failure must not report success (the unit would use a buffer that was never filled)."""
+    from shardpar.collectives.base import _DeferredGather
+
+    calls: list[float | None] = []
+
+    def run(timeout: float | None) -> None:
+        calls.append(timeout)
+        raise RuntimeError("peer gone")
+
+    work = _DeferredGather(run)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="peer gone"):
+            work.wait()
+    assert calls == [None] and not work.is_completed()  # ran once, still not done
