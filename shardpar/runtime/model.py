@@ -186,10 +186,17 @@ class DistributedModel(nn.Module):
 
     def comm_stats(self, step: int = -1) -> dict[tuple[str, str], dict[str, int]]:
         """Calls and bytes per (collective, group kind) of a completed optimizer step (default: the
-        last one), e.g. {("all_gather", "sharding"): {"calls": 7, "bytes": 3552}, ...}."""
+        last one; -2 the one before), e.g. {("all_gather", "sharding"): {"calls": 7, "bytes": 3552}, ...}.
+        Only the last `CommStats.max_steps` steps are kept (collectives/stats.py)."""
         stats = getattr(self.engine, "stats", None)
         if stats is None or not stats.history:
             return {}
+        kept = len(stats.history)
+        if not -kept <= step < kept:
+            raise IndexError(
+                f"comm_stats(step={step}): the records keep the last {kept} completed steps "
+                f"(CommStats.max_steps={stats.max_steps}); pass -1 .. -{kept} (or 0 .. {kept - 1}, oldest first)"
+            )
         summary: dict[tuple[str, str], dict[str, int]] = stats.summarize(stats.history[step])
         return summary
 
