@@ -61,6 +61,8 @@ class DistributedModel(nn.Module):
         self.unused_params: set[int] = set()  # ids of params without a gradient in the last window
         self.policy = DtypePolicy.from_config(config)
         self.device = device or _module_device(module)
+        # non-finite losses `backward` saw in the open window: a tensor, so the healthy path never syncs
+        self.nonfinite_losses = torch.zeros((), dtype=torch.int64, device=self.device)
         materialize = Materializer(module, self.device)
         materialize.buffers()
         plans = plan_units(module, wrap)
@@ -242,8 +244,16 @@ class DistributedModel(nn.Module):
         it costs nothing: it is the `alpha` of the add. It happens before `optimizer.step()` computes
         the clip norm and the fp16 overflow check. `backward_passes_per_step` still sums: the user
         divides the loss, as with plain PyTorch accumulation.
+
+        A non-finite loss is counted (`nonfinite_losses`, read only when a step is skipped) and
+        multiplied by NaN, so every gradient it reaches is NaN and the optimizer skips the step on
+        every rank ([Note: non-finite steps], optim/nonfinite.py); a finite one by 1.0, which is exact.
         """
-        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+        bad = torch.logical_not(torch.isfinite(loss.detach())).any()
+        self.nonfinite_losses += bad.to(self.nonfinite_losses.device)
+        scaled = loss * self.loss_scale if self.loss_scale != 1.0 else loss
+        poison = torch.where(bad, float("nan"), 1.0).to(device=scaled.device, dtype=scaled.dtype)
+        (scaled * poison).backward()
 
     def __getattr__(self, name: str) -> Any:
         try:
