@@ -4,7 +4,8 @@ Trains a tiny model for many steps at world 4 (sdp 2: two replicas) and reads ev
 VmHWM from /proc/self/status every `--every` steps. Growth is measured from the first sample after
 `--warmup` steps (allocator and caches settled) to the last; the verdict is "flat" when no rank grew by
 more than `--limit-mib`. Each engine runs in freshly spawned ranks; the ms/step column is the median
-step time of rank 0 (forward + backward + step + zero_grad), for comparing two checkouts.
+step time (forward + backward + step + zero_grad; the median of each sample's medians after the first), for
+comparing two checkouts.
 
     .venv/bin/python benchmarks/bench_soak.py                          # 10,000 steps, both engines
     .venv/bin/python benchmarks/bench_soak.py --steps 3000 --every 500 --engines auto
@@ -82,7 +83,14 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, engin
     g = torch.Generator().manual_seed(rank)
     data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(16)]
     samples: list[tuple[int, float, float]] = []
+    traced = args.tracemalloc and rank == 0
+    if traced:
+        import tracemalloc
+
+        tracemalloc.start(8)
+    first: Any = None
     times: list[float] = []
+    medians: list[float] = []  # of each sample's steps
     for step in range(1, args.steps + 1):
         x, y = data[step % len(data)]
         t0 = time.perf_counter()
@@ -90,12 +98,19 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, engin
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-        if step % args.every == 0:
+        if step % args.every == 0:  # the step times are kept per sample: the soak itself must not grow
             samples.append((step, *_status()))
+            medians.append(statistics.median(times))
+            times.clear()
+        if traced and step == args.warmup:
+            first = tracemalloc.take_snapshot()
+    if traced and first is not None:  # where Python-level memory grew after the warm-up, if it did
+        for diff in tracemalloc.take_snapshot().compare_to(first, "traceback")[:5]:
+            print(f"rank 0 tracemalloc: {diff}\n    " + "\n    ".join(diff.traceback.format()[-6:]), flush=True)
     stats = smp.comm_stats()
     kept = sum(len(s) for s in stats.history) + len(stats.current)
     smp.shutdown()
-    out.put((rank, samples, statistics.median(times) * 1e3, kept))
+    out.put((rank, samples, statistics.median(medians[1:] or medians) * 1e3, kept))
 
 
 def _free_port() -> int:
@@ -157,6 +172,7 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0, help="sdp_gradient_clipping")
     ap.add_argument("--limit-mib", type=float, default=2.0)
     ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--tracemalloc", action="store_true", help="rank 0 prints where Python memory grew (slow)")
     args = ap.parse_args()
     if args.steps < args.warmup + args.every:
         raise SystemExit(f"--steps {args.steps} leaves no sample after --warmup {args.warmup} + --every {args.every}")
