@@ -75,6 +75,12 @@ class Config:
         exclusive=True,
         maximum=1e6,  # the shm transport's limit (MAX_TIMEOUT_S in shm_transport.c): checked here, not at a first call
     )
+    sdp_max_nonfinite_steps: int = _knob(
+        3,
+        "consecutive optimizer steps skipped for a non-finite gradient norm or loss (bf16/fp32) before "
+        "optimizer.step() raises; 0 = raise at the first",
+        minimum=0,
+    )
     # Read from the SMDDP_* environment variables (reference 003, "Performance and memory tuning").
     smddp_ag_scratch_buffer_size_bytes: int = _knob(16 * 1024 * 1024, "env SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES")
     smddp_ag_sort_buffer_size_bytes: int = _knob(128 * 1024 * 1024, "env SMDDP_AG_SORT_BUFFER_SIZE_BYTES")

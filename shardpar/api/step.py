@@ -54,6 +54,44 @@ class StepOutput:
         return self.outputs[i]
 
 
+def find_empty(obj: Any, where: str = "") -> tuple[str, tuple[int, ...]] | None:
+    """(where, shape) of the first tensor in `obj` that smp.step would split with a batch dimension
+    of 0, or None. `where` reads like an index into the step function's arguments."""
+    if isinstance(obj, torch.Tensor):
+        return (where, tuple(obj.shape)) if obj.dim() > 0 and obj.shape[0] == 0 else None
+    if isinstance(obj, Mapping):
+        items: Any = ((f"{where}[{k!r}]", v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(obj))
+    else:
+        return None
+    for path, value in items:
+        found = find_empty(value, path)
+        if found is not None:
+            return found
+    return None
+
+
+def check_not_empty(args: tuple[Any, ...], kwargs: Mapping[str, Any], rank: int | None) -> None:
+    """An empty batch is an error here, on the rank that has it: a mean over zero samples is NaN (and a
+    sum gives zero gradients that still move momentum and weight decay), so it would train on nothing.
+    Only this rank knows; the others fail at their next collective (collective_timeout_s at most, or at
+    once where a launcher such as torchrun stops the job when one rank exits)."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    for name, value in named:
+        if isinstance(value, torch.nn.Module):
+            continue
+        found = find_empty(value)
+        if found is not None:
+            where, shape = found
+            who = f"rank {rank}" if rank is not None else "this rank"
+            raise ValueError(
+                f"{who}: @smp.step got an empty batch: {name}{where} has shape {shape}, batch dimension 0. Every "
+                "rank needs at least one sample per step (a loss over zero samples is NaN); check the sampler's "
+                "length and drop_last, or how the data is split over ranks (smp.rdp_slice)"
+            )
+
+
 def split_batch(obj: Any, num: int) -> list[Any]:
     """`num` micro-batches of `obj` (tensors split on dim 0; containers recursed; others repeated)."""
     if isinstance(obj, torch.Tensor) and obj.dim() > 0:
@@ -95,6 +133,7 @@ def make_step(
         model = next((a for a in (*args, *kwargs.values()) if isinstance(a, DistributedModel)), None)
         model = model or find_model()
         num = microbatches()
+        check_not_empty(args, kwargs, model.topology.rank if model is not None else None)
         split_args = [split_batch(a, num) if not isinstance(a, torch.nn.Module) else [a] * num for a in args]
         split_kwargs = {
             k: split_batch(v, num) if not isinstance(v, torch.nn.Module) else [v] * num for k, v in kwargs.items()

@@ -6,12 +6,17 @@ Bytes counted per call (the tensor the caller hands over, whatever the algorithm
     all_reduce      tensor bytes                           broadcast        tensor bytes
 
 Records are grouped into steps: `begin_step()` closes the current step, so a test can pin the exact
-schedule of one training step.
+schedule of one training step. Only a window of the last `max_steps` closed steps is kept (the optimizer
+closes one per step, so an unbounded list grew ~3 KiB a step on a tiny model, for ever):
+
+    history = deque(maxlen=max_steps)   [step n-max_steps+1] ... [step n]    <- begin_step() appends
+    current = [records of the running step]                                   (at most max_records_per_step)
+    num_steps = n                        steps closed since the last reset(), kept or not
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,8 +24,11 @@ import torch
 
 from shardpar.collectives.base import Engine, Group, ReduceOp, Span, Work, all_gather_after
 
+DEFAULT_MAX_STEPS = 32
+DEFAULT_MAX_RECORDS_PER_STEP = 1 << 16
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)  # slots: ~half the bytes of a record with a __dict__
 class CommRecord:
     op: str
     group: str
@@ -32,13 +40,29 @@ class CommRecord:
 
 
 class CommStats:
-    """Per-step lists of `CommRecord`s."""
+    """Per-step lists of `CommRecord`s: the running step and a bounded window of closed ones.
 
-    def __init__(self) -> None:
+    `max_steps` closed steps are kept in `history` (oldest first; `history[-1]` is the last closed
+    step); older ones are dropped. A running step that reaches `max_records_per_step` records (a
+    forward-only loop that never steps the optimizer never closes one) is closed as a step of its
+    own, so memory stays bounded whoever calls what. `reset()` drops everything.
+    """
+
+    def __init__(
+        self, *, max_steps: int = DEFAULT_MAX_STEPS, max_records_per_step: int = DEFAULT_MAX_RECORDS_PER_STEP
+    ) -> None:
+        for name, value in (("max_steps", max_steps), ("max_records_per_step", max_records_per_step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CommStats {name}={value!r} must be an integer >= 1")
+        self.max_steps = max_steps
+        self.max_records_per_step = max_records_per_step
         self.current: list[CommRecord] = []
-        self.history: list[list[CommRecord]] = []
+        self.history: deque[list[CommRecord]] = deque(maxlen=max_steps)
+        self.num_steps = 0  # steps closed since the last reset(), including those the window dropped
 
     def record(self, rec: CommRecord) -> None:
+        if len(self.current) >= self.max_records_per_step:
+            self.begin_step()
         self.current.append(rec)
 
     def begin_step(self) -> list[CommRecord]:
@@ -46,11 +70,26 @@ class CommStats:
         done = self.current
         if done:
             self.history.append(done)
+            self.num_steps += 1
         self.current = []
         return done
 
+    def steps_since(self, num_steps: int) -> list[list[CommRecord]]:
+        """The records of the steps closed after the first `num_steps` (read `num_steps` before the
+        calls to watch); ValueError when some of them already left the window."""
+        new = self.num_steps - num_steps
+        if new < 0 or new > len(self.history):
+            raise ValueError(
+                f"steps_since({num_steps}): {self.num_steps} steps were closed and the window keeps the last "
+                f"{len(self.history)} (max_steps={self.max_steps}); read num_steps closer to the calls you watch"
+            )
+        return list(self.history)[len(self.history) - new :]
+
     def reset(self) -> None:
-        self.current, self.history = [], []
+        """Drop every record (new containers: the old ones' memory is given back)."""
+        self.current = []
+        self.history = deque(maxlen=self.max_steps)
+        self.num_steps = 0
 
     @staticmethod
     def summarize(records: list[CommRecord]) -> dict[tuple[str, str], dict[str, int]]:

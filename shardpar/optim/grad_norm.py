@@ -25,8 +25,14 @@ from shardpar.sharding.tp_split import TPSplit
 def grad_norm_squared(state: ShardedState, splits: Mapping[str, TPSplit] | None = None) -> torch.Tensor:
     """[1] tensor: the squared L2 norm of all (still loss-scaled) main grads of the full model.
     `splits`: the TP-split parameters by name (tp_split_table); empty or None without TP."""
+    return reduce_grad_norm_squared(state, local_grad_norm_squared(state, splits), splits)
+
+
+def local_grad_norm_squared(state: ShardedState, splits: Mapping[str, TPSplit] | None = None) -> torch.Tensor:
+    """This rank's share of the squared norm, before any collective: [all] without TP splits,
+    [TP-split, TP-replicated] with them. Non-finite exactly when this rank's counted grads are."""
     topology = state.topology
-    parts = torch.zeros(2 if splits else 1, dtype=torch.float32, device=state.device)  # [TP-split, TP-replicated]
+    parts = torch.zeros(2 if splits else 1, dtype=torch.float32, device=state.device)
     for block in state.grad_blocks():
         if block.replicated and topology.coords.sdp_rank != 0:
             continue
@@ -36,6 +42,14 @@ def grad_norm_squared(state: ShardedState, splits: Mapping[str, TPSplit] | None 
         for piece in block.pieces:
             if piece.length:
                 parts[0 if piece.fqn in splits else 1] += block.grad[piece.local].pow(2).sum()
+    return parts
+
+
+def reduce_grad_norm_squared(
+    state: ShardedState, parts: torch.Tensor, splits: Mapping[str, TPSplit] | None = None
+) -> torch.Tensor:
+    """[1]: the global squared norm from every rank's `local_grad_norm_squared` (reduced in place)."""
+    topology = state.topology
     state.engine.all_reduce(parts, topology.sharding)
     if not splits:
         return parts

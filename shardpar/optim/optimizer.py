@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardpar.optim.grad_norm import grad_norm_squared
+from shardpar.optim.grad_norm import grad_norm_squared, local_grad_norm_squared, reduce_grad_norm_squared
 from shardpar.optim.loss_scaling import LossScaler, ScalerResume, StaticLossScaler, plan_scaler_resume
+from shardpar.optim.nonfinite import NonFiniteGuard, gather_culprits
+from shardpar.optim.nonfinite import log as nonfinite_log
 from shardpar.precision import precision_name
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.state import Piece
@@ -39,16 +41,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         clip_norm: float,
         loss_scaler: LossScaler | None = None,
         tp_splits: Mapping[str, TPSplit] | None = None,
+        max_nonfinite_steps: int | None = None,
     ) -> None:
         """`tp_splits`: the model's TP-split parameters by name (tensor_parallel.tp_split_table), passed
-        in by the caller under tensor parallelism; None or empty without it."""
+        in by the caller under tensor parallelism; None or empty without it. `max_nonfinite_steps`:
+        consecutive non-finite steps skipped before step() raises (None: the model's config knob
+        sdp_max_nonfinite_steps; [Note: non-finite steps] in nonfinite.py)."""
         self.optimizer = optimizer
         self.model = model
         self.sharded_state = model.sharded_state
         self.clip_norm = clip_norm
         self.tp_splits = tp_splits
         self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler(1.0)
-        self.overflow = False
+        self.overflow = False  # fp16: the last step overflowed (and was skipped)
+        self.skipped = False  # the last step was skipped (fp16 overflow, or non-finite in bf16/fp32)
+        limit = model.config.sdp_max_nonfinite_steps if max_nonfinite_steps is None else max_nonfinite_steps
+        self.nonfinite_guard = NonFiniteGuard(limit)
+        self.num_steps = 0  # step() calls that got past the window check, skipped ones included
         model.window.set_loss_scale(self.loss_scaler.loss_scale)
         self._main_piece: dict[int, nn.Parameter] = {}
         self._grad_slots: list[tuple[nn.Parameter, Piece]] = []  # (main piece, where it lies) of trainable params
@@ -122,32 +131,66 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure (the model is sharded)")
         self.model.window.check_step()  # before anything changes
-        fp16 = self.model.policy.compute == torch.float16
-        needs_norm = fp16 or self.clip_norm > 0 or self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0
-        sq = self.grad_norm_squared() if needs_norm else None
+        self.num_steps += 1
+        # The norm is computed at every step (one AllReduce of one float when neither clipping nor a
+        # loss scale needed it): the non-finite guard reads it ([Note: non-finite steps], nonfinite.py).
+        parts = local_grad_norm_squared(self.sharded_state, self.tp_splits)
+        local_finite = torch.isfinite(parts).all()  # before the AllReduce overwrites them; no sync
+        sq = reduce_grad_norm_squared(self.sharded_state, parts, self.tp_splits)
         scale = self.model.window.loss_scale  # what this window's backwards multiplied the loss by
-        if sq is not None and fp16:
-            # fp16, whatever the scale and clipping: an inf/nan on any rank makes the norm's one
-            # AllReduce non-finite everywhere. The only host sync of the step, needed to decide the
-            # skip on every rank alike.
-            self.overflow = not bool(torch.isfinite(sq).item())
+        # The only host sync of the step: an inf/nan on any rank makes the norm non-finite on every
+        # rank alike, so each decides the skip the same way without talking.
+        finite = bool(torch.isfinite(sq).all().item())
+        if self.model.policy.compute == torch.float16:
+            # fp16, whatever the scale and clipping: the loss scaler's rule, without a limit.
+            self.overflow = self.skipped = not finite
             self.loss_scaler.update(self.overflow)
             if self.overflow:
                 self.model.window.set_loss_scale(self.loss_scaler.loss_scale)
-                self.model.end_step()
+                self._end_step()
                 return None
+        elif not finite:
+            return self._skip_nonfinite(sq, local_finite)
+        else:
+            self.skipped = False
+            self.nonfinite_guard.passed()
         # `scale`, not the scaler's: a dynamic scaler that just grew its scale (update above) must not
         # divide these gradients, scaled by the old one, by the new one.
-        self.last_grad_norm = self._unscale_and_clip(sq, scale) if sq is not None else None
+        self.last_grad_norm = self._unscale_and_clip(sq, scale)
         self._attach_grads()
         result = self.optimizer.step()
         self.sharded_state.refresh_compute()
         self.model.window.set_loss_scale(self.loss_scaler.loss_scale)
-        self.model.end_step()
+        self._end_step()
         return result
+
+    def _skip_nonfinite(self, sq: torch.Tensor, local_finite: torch.Tensor) -> None:
+        """bf16/fp32: skip the step on every rank (nothing is written), name the ranks, count the skip;
+        past sdp_max_nonfinite_steps in a row, raise NonFiniteError on every rank."""
+        topology = self.model.topology
+        culprits = gather_culprits(
+            self.model.engine,
+            topology.group("world"),
+            topology.rank,
+            loss_bad=self.model.nonfinite_losses > 0,
+            shard_bad=~local_finite,
+        )
+        self.skipped = True
+        self.last_grad_norm = sq.sqrt()[0]
+        norm = float(self.last_grad_norm)
+        self._end_step()
+        message = self.nonfinite_guard.skip(step=self.num_steps, norm=norm, culprits=culprits)
+        if topology.rank == 0:  # once per skipped step, not once per rank
+            nonfinite_log.warning("shardpar: %s", message)
+        return None
+
+    def _end_step(self) -> None:
+        self.model.nonfinite_losses.zero_()  # the losses of the window just stepped (or skipped)
+        self.model.end_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.window.reset()  # the window's gradients are dropped
+        self.model.nonfinite_losses.zero_()  # and what model.backward saw of their losses
         if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped
             self.model.reset_grad_usage()
         self.sharded_state.clear_grads(set_to_none=set_to_none)

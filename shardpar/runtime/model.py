@@ -68,6 +68,8 @@ class DistributedModel(nn.Module):
         self.unused_params: set[int] = set()  # ids of params without a gradient in the last window
         self.policy = DtypePolicy.from_config(config)
         self.device = device or _module_device(module)
+        # non-finite losses `backward` saw in the open window: a tensor, so the healthy path never syncs
+        self.nonfinite_losses = torch.zeros((), dtype=torch.int64, device=self.device)
         materialize = Materializer(module, self.device)
         materialize.buffers()
         plans = plan_units(module, wrap)
@@ -195,10 +197,17 @@ class DistributedModel(nn.Module):
 
     def comm_stats(self, step: int = -1) -> dict[tuple[str, str], dict[str, int]]:
         """Calls and bytes per (collective, group kind) of a completed optimizer step (default: the
-        last one), e.g. {("all_gather", "sharding"): {"calls": 7, "bytes": 3552}, ...}."""
+        last one; -2 the one before), e.g. {("all_gather", "sharding"): {"calls": 7, "bytes": 3552}, ...}.
+        Only the last `CommStats.max_steps` steps are kept (collectives/stats.py)."""
         stats = getattr(self.engine, "stats", None)
         if stats is None or not stats.history:
             return {}
+        kept = len(stats.history)
+        if not -kept <= step < kept:
+            raise IndexError(
+                f"comm_stats(step={step}): the records keep the last {kept} completed steps "
+                f"(CommStats.max_steps={stats.max_steps}); pass -1 .. -{kept} (or 0 .. {kept - 1}, oldest first)"
+            )
         summary: dict[tuple[str, str], dict[str, int]] = stats.summarize(stats.history[step])
         return summary
 
@@ -281,8 +290,16 @@ class DistributedModel(nn.Module):
         it costs nothing: it is the `alpha` of the add. It happens before `optimizer.step()` computes
         the clip norm and the fp16 overflow check. `backward_passes_per_step` still sums: the user
         divides the loss, as with plain PyTorch accumulation.
+
+        A non-finite loss is counted (`nonfinite_losses`, read only when a step is skipped) and
+        multiplied by NaN, so every gradient it reaches is NaN and the optimizer skips the step on
+        every rank ([Note: non-finite steps], optim/nonfinite.py); a finite one by 1.0, which is exact.
         """
-        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+        bad = torch.logical_not(torch.isfinite(loss.detach())).any()
+        self.nonfinite_losses += bad.to(self.nonfinite_losses.device)
+        scaled = loss * self.loss_scale if self.loss_scale != 1.0 else loss
+        poison = torch.where(bad, float("nan"), 1.0).to(device=scaled.device, dtype=scaled.dtype)
+        (scaled * poison).backward()
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -142,9 +142,9 @@ def fp16_static_overflow_case() -> dict[str, Any]:
     if rank == 1:
         model.units[1].main_grad[0] = float("inf")
     before = _snapshot(model, opt)
-    closed = len(stats.history)
+    closed = stats.num_steps
     opt.step()
-    step_collectives = [(r.op, r.group) for records in stats.history[closed:] for r in records]
+    step_collectives = [(r.op, r.group) for records in stats.steps_since(closed) for r in records]
     after = _snapshot(model, opt)
     opt.zero_grad()
     overflow = opt.overflow
