@@ -47,9 +47,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         in by the caller under tensor parallelism; None or empty without it. `max_nonfinite_steps`:
         consecutive non-finite steps skipped before step() raises (None: the model's config knob
         sdp_max_nonfinite_steps; [Note: non-finite steps] in nonfinite.py)."""
+        if tp_splits is None and model.topology.tp.size > 1:  # the plain norm would differ per TP rank
+            raise ValueError(
+                f"DistributedOptimizer of a model with tensor_parallel_degree={model.topology.tp.size} needs its "
+                "TP split table (tp_splits=tensor_parallel.tp_split_table(model.module)); smp.DistributedOptimizer "
+                "passes it"
+            )
         self.optimizer = optimizer
         self.model = model
         self.sharded_state = model.sharded_state
+        self._clipped_by_user = False  # clip_master_grads ran in this window: step() does not clip again
         self.clip_norm = clip_norm
         self.tp_splits = tp_splits
         self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler(1.0)
@@ -110,7 +117,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         return grad_norm_squared(self.sharded_state, self.tp_splits)
 
-    def _unscale_and_clip(self, sq: torch.Tensor, scale: float) -> torch.Tensor:
+    def _unscale_and_clip(self, sq: torch.Tensor, scale: float, clip_norm: float) -> torch.Tensor:
         """Divide out the loss scale the gradients carry and apply sdp_gradient_clipping, as one
         multiply per grad.
 
@@ -120,9 +127,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         inv_scale = 1.0 / scale
         norm = sq.sqrt() * inv_scale
         coef = torch.full_like(norm, inv_scale)
-        if self.clip_norm > 0:
-            coef = coef * torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0)
-        if self.clip_norm > 0 or inv_scale != 1.0:
+        if clip_norm > 0:
+            coef = coef * torch.clamp(clip_norm / (norm + 1e-6), max=1.0)
+        if clip_norm > 0 or inv_scale != 1.0:
             for grad in self.sharded_state.main_grads():
                 grad.mul_(coef)
         return norm[0]
@@ -156,7 +163,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.nonfinite_guard.passed()
         # `scale`, not the scaler's: a dynamic scaler that just grew its scale (update above) must not
         # divide these gradients, scaled by the old one, by the new one.
-        self.last_grad_norm = self._unscale_and_clip(sq, scale)
+        clip_norm = 0.0 if self._clipped_by_user else self.clip_norm
+        self.last_grad_norm = self._unscale_and_clip(sq, scale, clip_norm)
         self._attach_grads()
         result = self.optimizer.step()
         self.sharded_state.refresh_compute()
@@ -185,10 +193,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return None
 
     def _end_step(self) -> None:
+        self._clipped_by_user = False
         self.model.nonfinite_losses.zero_()  # the losses of the window just stepped (or skipped)
         self.model.end_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clipped_by_user = False
         self.model.window.reset()  # the window's gradients are dropped
         self.model.nonfinite_losses.zero_()  # and what model.backward saw of their losses
         if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped
@@ -223,11 +233,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Load `state_dict()`; the loss scaler follows [Note: loss scaler on resume] (loss_scaling.py),
         decided (and a malformed scaler state rejected) before anything is loaded."""
         state = dict(state_dict)
+        state.pop("_smp_is_partial", None)  # SMP v1's marker on local_state_dict()
         scaler = state.pop("loss_scaler", None)
         plan = self.plan_loss_scaler_load(scaler) if scaler is not None else None
         self.optimizer.load_state_dict(state)
         if plan is not None:
             self.load_loss_scaler_state(scaler, plan)
+
+    # ---- SMP v1 ----------------------------------------------------------------------------------
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """SMP v1: this rank's optimizer state (`state_dict()` is already this rank's), marked partial."""
+        return {**self.state_dict(), "_smp_is_partial": True}
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """SMP v1 (fp16 scripts call it before `step()`): clip the fp32 main grads by their global L2
+        norm, the loss scale divided out, to `max_norm`; returns that norm. `step()` then does not clip
+        this window again (sdp_gradient_clipping would otherwise clip a second time). A non-finite norm
+        is left to `step()`, which skips the update."""
+        if norm_type != 2.0:
+            raise ValueError(f"clip_master_grads(norm_type={norm_type!r}): only the L2 norm (2.0) is supported")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ValueError(f"clip_master_grads(max_norm={max_norm!r}) must be a number > 0")
+        norm = self.grad_norm_squared().sqrt() / self.model.window.loss_scale
+        if bool(torch.isfinite(norm).all()):
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s formula
+            for grad in self.sharded_state.main_grads():
+                grad.mul_(coef)
+        self._clipped_by_user = True
+        return norm[0]
+
+    @property
+    def fp16_groups(self) -> list[list[nn.Parameter]]:
+        """SMP v1: the model's own parameters, grouped as the optimizer's param groups (scripts map
+        them to names with `model.named_parameters()`)."""
+        original = {id(piece): p for p, piece in self._originals()}
+        return [[original[id(piece)] for piece in group["params"]] for group in self.optimizer.param_groups]
+
+    def _originals(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        return [(where.param, self._main_piece[id(where.param)]) for where in self.sharded_state.pieces]
 
     # ---- loss scaler in checkpoints -----------------------------------------------------------
 

@@ -37,3 +37,8 @@ def test_v1_p2p_errors_name_the_rule_and_the_peer(ranks) -> None:
     timeout = res[1]["timeout"]
     assert "global rank 2 sending" in timeout and "collective_timeout_s=3 s" in timeout, timeout
     assert 2.5 <= float(res[1]["waited"]) <= 13.0
+
+
+def test_an_optimizer_of_a_tp_model_without_its_split_table_is_refused(ranks) -> None:
+    for msg in ranks.run(4, v1_api_cases.optimizer_needs_tp_splits_case):
+        assert "tensor_parallel_degree=2 needs its TP split table" in msg, msg

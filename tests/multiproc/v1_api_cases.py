@@ -92,3 +92,18 @@ def p2p_errors_case() -> dict[str, Any]:
             errors["timeout"] = str(exc)
         errors["waited"] = f"{time.monotonic() - start:.1f}"
     return errors  # no barrier: the others would time out in it while rank 1 waits
+
+
+def optimizer_needs_tp_splits_case() -> str:
+    """The plain grad-norm rule on a TP model would give each TP rank another clip coefficient."""
+    from shardpar.optim.optimizer import DistributedOptimizer
+    from tests import models
+
+    smp.init(TP2)
+    model = smp.DistributedModel(models.tiny_neox(), tensor_parallelism=True)
+    smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # the facade passes the table
+    try:
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, clip_norm=1.0)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"

@@ -168,3 +168,41 @@ def test_v1_model_arguments_module_access_and_post_partition_hook(world_of_one: 
     assert calls == [(model, opt)]  # once, with the model and its optimizer
     with pytest.raises(TypeError, match="needs a callable"):
         model.register_post_partition_hook(3)  # type: ignore[arg-type]
+
+
+def test_clip_master_grads_clips_once_like_clip_grad_norm(world_of_one: None) -> None:
+    """SMP v1 fp16 scripts call optimizer.clip_master_grads(max_norm) before step(): the same as
+    torch.nn.utils.clip_grad_norm_ on one process, and step() does not clip a second time."""
+    torch.manual_seed(0)
+    ref = models.tiny_neox()
+    torch.manual_seed(0)
+    model = smp.DistributedModel(models.tiny_neox())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    batch = models.lm_batch(0, 4)
+    model.backward(model(**batch).loss)
+    ref(**batch).loss.backward()
+    norm = opt.clip_master_grads(0.05)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-5) and ref_norm > 0.05  # it did clip
+    opt.step()
+    ref_opt.step()
+    got, want = model.state_dict(), ref.state_dict()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+    with pytest.raises(ValueError, match=r"max_norm=0\) must be a number > 0"):
+        opt.clip_master_grads(0)
+
+
+def test_fp16_groups_and_local_state_dict(world_of_one: None) -> None:
+    model = smp.DistributedModel(models.tiny_neox())
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    opt = smp.DistributedOptimizer(torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}]))
+    names = {p: n for n, p in model.named_parameters()}
+    groups = opt.fp16_groups
+    assert [[names[p] for p in g] for g in groups] == [[names[p] for p in decay], [names[p] for p in rest]]
+    model.backward(model(**models.lm_batch(0, 2)).loss)
+    opt.step()
+    local = opt.local_state_dict()
+    assert local["_smp_is_partial"] is True and local["state"]
+    opt.load_state_dict(local)  # the marker is accepted back
