@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from shardpar.runtime.model import DistributedModel
 
@@ -50,8 +53,19 @@ class StepOutput:
     def __len__(self) -> int:
         return len(self.outputs)
 
-    def __getitem__(self, i: int) -> Any:
-        return self.outputs[i]
+    def __getitem__(self, key: Any) -> Any:
+        """`out[i]`: micro-batch i's output. `out["loss"]` (outputs that are dicts, as SMP v1 returned
+        them): a StepOutput of that entry across micro-batches, so `out["loss"].reduce_mean()` works."""
+        if isinstance(key, int) and not all(isinstance(o, Mapping) for o in self.outputs):
+            return self.outputs[key]
+        if not all(isinstance(o, Mapping) for o in self.outputs):
+            kinds = sorted({type(o).__name__ for o in self.outputs})
+            raise TypeError(f"StepOutput[{key!r}]: the step returned {kinds}, not dicts; index micro-batches by int")
+        return StepOutput([o[key] for o in self.outputs])
+
+    def detach(self) -> StepOutput:
+        """The same outputs, tensors detached from the graph (SMP v1)."""
+        return StepOutput([_detached(o) for o in self.outputs])
 
 
 def find_empty(obj: Any, where: str = "") -> tuple[str, tuple[int, ...]] | None:
@@ -92,20 +106,20 @@ def check_not_empty(args: tuple[Any, ...], kwargs: Mapping[str, Any], rank: int 
             )
 
 
-def split_batch(obj: Any, num: int) -> list[Any]:
-    """`num` micro-batches of `obj` (tensors split on dim 0; containers recursed; others repeated)."""
-    if isinstance(obj, torch.Tensor) and obj.dim() > 0:
-        if obj.shape[0] % num:
+def split_batch(obj: Any, num: int, axis: int = 0) -> list[Any]:
+    """`num` micro-batches of `obj` (tensors split on `axis`; containers recursed; others repeated)."""
+    if isinstance(obj, torch.Tensor) and obj.dim() > axis:
+        if obj.shape[axis] % num:
             raise ValueError(
-                f"microbatches={num} must divide the batch dimension {obj.shape[0]} of a tensor of shape "
-                f"{tuple(obj.shape)}; change the batch size or the microbatches knob"
+                f"microbatches={num} must divide the batch dimension {obj.shape[axis]} (axis {axis}) of a tensor of "
+                f"shape {tuple(obj.shape)}; change the batch size or the microbatches knob"
             )
-        return list(obj.chunk(num, dim=0))
+        return list(obj.chunk(num, dim=axis))
     if isinstance(obj, Mapping):
-        parts = {k: split_batch(v, num) for k, v in obj.items()}
+        parts = {k: split_batch(v, num, axis) for k, v in obj.items()}
         return [_rebuild_mapping(obj, {k: v[i] for k, v in parts.items()}) for i in range(num)]
     if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-        parts_seq = [split_batch(v, num) for v in obj]
+        parts_seq = [split_batch(v, num, axis) for v in obj]
         if hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments, not one iterable
             return [type(obj)(*(p[i] for p in parts_seq)) for i in range(num)]
         return [type(obj)(p[i] for p in parts_seq) for i in range(num)]
@@ -125,23 +139,64 @@ def _rebuild_mapping(obj: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[A
         return items
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """SMP v1's `@smp.step(...)` arguments."""
+
+    non_split_inputs: tuple[str, ...] = ()  # argument names passed whole to every micro-batch
+    input_split_axes: Mapping[str, int] = field(default_factory=dict)  # argument name -> batch axis
+    detach_outputs: bool = True  # detach returned tensors (the graph is not kept alive after the step)
+
+
 def make_step(
-    fn: Callable[..., Any], *, find_model: Callable[[], DistributedModel | None], microbatches: Callable[[], int]
+    fn: Callable[..., Any],
+    *,
+    find_model: Callable[[], DistributedModel | None],
+    microbatches: Callable[[], int],
+    options: StepOptions = StepOptions(),
 ) -> Callable[..., StepOutput]:
+    signature = inspect.signature(fn)
+    for name in (*options.non_split_inputs, *options.input_split_axes):
+        if name not in signature.parameters:
+            raise ValueError(
+                f"@smp.step: {name!r} (in non_split_inputs / input_split_axes) is not an argument of "
+                f"{fn.__name__}{signature}; name arguments as they appear in its signature"
+            )
+
+    positional = [
+        p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
+    def split(name: str, value: Any, num: int) -> list[Any]:
+        if isinstance(value, torch.nn.Module) or name in options.non_split_inputs:
+            return [value] * num
+        return split_batch(value, num, options.input_split_axes.get(name, 0))
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> StepOutput:
         model = next((a for a in (*args, *kwargs.values()) if isinstance(a, DistributedModel)), None)
         model = model or find_model()
         num = microbatches()
-        check_not_empty(args, kwargs, model.topology.rank if model is not None else None)
-        split_args = [split_batch(a, num) if not isinstance(a, torch.nn.Module) else [a] * num for a in args]
-        split_kwargs = {
-            k: split_batch(v, num) if not isinstance(v, torch.nn.Module) else [v] * num for k, v in kwargs.items()
-        }
+        bound = signature.bind(*args, **kwargs)
+        whole = set(options.non_split_inputs)  # not split, so not checked for an empty batch
+        checked = tuple(None if i < len(positional) and positional[i] in whole else a for i, a in enumerate(args))
+        check_not_empty(
+            checked,
+            {k: v for k, v in kwargs.items() if k not in whole},
+            model.topology.rank if model is not None else None,
+        )
+        parts = {k: split(k, v, num) for k, v in bound.arguments.items()}
         outputs = []
         with model.window.in_step(num) if model is not None else contextlib.nullcontext():
             for i in range(num):
-                outputs.append(fn(*(a[i] for a in split_args), **{k: v[i] for k, v in split_kwargs.items()}))
+                call = signature.bind_partial()
+                call.arguments.update({k: v[i] for k, v in parts.items()})
+                out = fn(*call.args, **call.kwargs)
+                outputs.append(_detached(out) if options.detach_outputs else out)
         return StepOutput(outputs)
 
     return wrapper
+
+
+def _detached(obj: Any) -> Any:
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), obj)

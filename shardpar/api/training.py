@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -17,7 +17,7 @@ from torch import nn
 from shardpar import checkpoint as _checkpoint
 from shardpar.api.context import _REGISTERED, _TP_MARKS, state
 from shardpar.api.same_model import check_same_model
-from shardpar.api.step import StepOutput, make_step
+from shardpar.api.step import StepOptions, StepOutput, make_step
 from shardpar.optim.loss_scaling import make_loss_scaler
 from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
 from shardpar.runtime.model import DistributedModel as _DistributedModel
@@ -213,13 +213,34 @@ def DistributedOptimizer(
     return opt
 
 
-def step(fn: Callable[..., Any]) -> Callable[..., StepOutput]:
-    """Decorator: run `fn` once per micro-batch (config `microbatches`) and return a StepOutput."""
-    return make_step(
-        fn,
-        find_model=lambda: state().model,
-        microbatches=lambda: state().config.microbatches,
+def step(
+    fn: Callable[..., Any] | None = None,
+    *,
+    non_split_inputs: list[str] | tuple[str, ...] | None = None,
+    input_split_axes: Mapping[str, int] | None = None,
+    detach_outputs: bool = True,
+) -> Any:
+    """Decorator, `@smp.step` or SMP v1's `@smp.step(non_split_inputs=..., input_split_axes=...,
+    detach_outputs=True)`: run the function once per micro-batch (config `microbatches`), splitting
+    every argument on its batch axis (0 unless `input_split_axes` names another) except modules and
+    `non_split_inputs`, and return a StepOutput."""
+    options = StepOptions(
+        non_split_inputs=tuple(non_split_inputs or ()),
+        input_split_axes=dict(input_split_axes or {}),
+        detach_outputs=detach_outputs,
     )
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., StepOutput]:
+        if not callable(f):
+            raise TypeError(f"@smp.step decorates a function, got {f!r}")
+        return make_step(
+            f,
+            find_model=lambda: state().model,
+            microbatches=lambda: state().config.microbatches,
+            options=options,
+        )
+
+    return decorate if fn is None else decorate(fn)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

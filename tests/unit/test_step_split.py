@@ -6,6 +6,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
+import pytest
 import torch
 
 from shardpar.api.step import make_step, split_batch
@@ -68,3 +69,39 @@ def test_smp_step_hands_each_micro_batch_of_a_nested_namedtuple_to_the_step_func
     out = step(defaultdict(int, pair=Batch(torch.zeros(4, 1), torch.arange(4), "t")))
     assert [o.item() for o in out.outputs] == [1, 5]  # y = 0+1, then 2+3
     assert [(type(b), type(b["pair"])) for b in seen] == [(defaultdict, Batch)] * 2
+
+
+def test_v1_step_arguments_dict_outputs_and_detach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SMP v1: `@smp.step(...)` with non_split_inputs / input_split_axes, outputs indexable by key,
+    StepOutput.detach(), and detached outputs by default."""
+    import shardpar as smp
+    from tests.conftest import init_world_of_one
+
+    with init_world_of_one(monkeypatch, microbatches=2):
+        _check_v1_step(smp)
+
+
+def _check_v1_step(smp: Any) -> None:
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    @smp.step(non_split_inputs=["table"], input_split_axes={"seq_major": 1})
+    def train_step(x: torch.Tensor, seq_major: torch.Tensor, table: torch.Tensor) -> dict[str, torch.Tensor]:
+        seen.append((tuple(seq_major.shape), tuple(table.shape)))
+        y = (x * 2).requires_grad_()
+        return {"loss": y.sum(), "y": y}
+
+    out = train_step(torch.ones(4, 3), torch.zeros(5, 4), table=torch.zeros(7))
+    assert seen == [((5, 2), (7,)), ((5, 2), (7,))]  # axis 1 split, the table passed whole
+    assert out["loss"].reduce_mean().item() == 12.0 and len(out["y"]) == 2
+    assert not out["y"][0].requires_grad  # detach_outputs=True (v1's default)
+    assert out.detach()["loss"].stack().tolist() == [12.0, 12.0]
+
+    @smp.step()
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return x.sum()
+
+    assert plain(torch.ones(4, 2)).reduce_sum().item() == 8.0
+    with pytest.raises(ValueError, match=r"'nope' \(in non_split_inputs / input_split_axes\) is not an argument"):
+        smp.step(non_split_inputs=["nope"])(plain.__wrapped__)
+    with pytest.raises(TypeError, match=r"StepOutput\['loss'\]: the step returned \['Tensor'\], not dicts"):
+        plain(torch.ones(4, 2))["loss"]
