@@ -74,6 +74,15 @@ def _handle(group: Group) -> dist.ProcessGroup:
     return group.handle
 
 
+def get_world_process_group() -> dist.ProcessGroup:
+    return _handle(state().topology.group("world"))
+
+
+def is_tracing() -> bool:
+    """SMP v1: whether the tracing step runs. shardpar does not trace the model: always False."""
+    return False
+
+
 def get_dp_process_group() -> dist.ProcessGroup:
     return _handle(state().topology.group("world"))
 

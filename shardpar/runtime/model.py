@@ -260,6 +260,25 @@ class DistributedModel(nn.Module):
         """SMP v1: the wrapped module (`model.module`)."""
         return self.module
 
+    # SMP v1's local_* views: with pipeline_parallel_degree 1 every module is this rank's.
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        return self.module.buffers()
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers()
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        return self.module.modules()
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        return self.module.named_modules()
+
     def register_post_partition_hook(self, hook: Callable[[Any, Any], None]) -> RemovableHandle:
         """SMP v1: `hook(model, optimizer)` runs once, before the first forward -- the model is
         partitioned (sharded) when it is wrapped, so that is the first moment both exist. Returns a
