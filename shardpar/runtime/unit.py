@@ -37,8 +37,9 @@ them (autograd, hooks, caches). A view addresses storage + offset when it is rea
 unshards the unit again -- the same storage object, refilled by a new AllGather -- every view autograd
 saved reads the re-gathered values: the same bits, since parameters do not change between a forward
 and its backward. The scheduler gathers a unit before any of its backward nodes runs (the pre-backward
-hook, an activation-checkpoint recomputation, or a borrower's hold, [Note: holders]); a view read while
-its unit is sharded would find an empty storage and fail, not read stale values.
+hook, an activation-checkpoint recomputation, or a borrower's hold, [Note: holders]). A saved view read
+while its unit is sharded finds a storage without memory: torch does not check that, the process dies
+(SIGSEGV on CPU) -- loud, never stale values; before issue 19 it silently read the old buffer.
 
 Saved views stay *valid* too: autograd checks a saved tensor's version counter at unpack. Each
 original parameter keeps its own version counter across `p.data = ...` (set_data does not share the
