@@ -4,9 +4,11 @@ Spawns `--world` CPU ranks (gloo), each building the model under smp.delay_param
 rank materialises only its shards, so building adds no full model), then training `--steps` steps
 (AdamW, fp32, sdp = world, no activation checkpointing unless --checkpointing). Each rank reports:
 
-    hwm     VmHWM at the end: the process's lifetime peak RSS (imports and build included)
+    hwm     the process's lifetime peak RSS (imports and build included): VmHWM before training,
+            or the RSS before training plus the training peak, whichever is higher
     train   the peak RSS of the training steps minus the RSS before them (VmHWM reset through
-            /proc/self/clear_refs just before the first step)
+            /proc/self/clear_refs), and the same split by phase -- forward, backward, optimizer
+            step -- each the highest over the steps
 
 --rev REV measures shardpar as of git revision REV instead of the checkout (git archive, the
 checkout's built shm extension copied in), e.g. HEAD~1 for the code before a change.
@@ -16,6 +18,18 @@ below its dynamic threshold -- up to 32 MiB -- stay in the heap and RSS keeps it
 
     /work/main/.venv/bin/python benchmarks/bench_memory.py                       # 168M, 4 ranks
     /work/main/.venv/bin/python benchmarks/bench_memory.py --rev HEAD~1 --mmap-threshold 1048576
+
+Measured 2026-11-25 (2 shared cores, load ~12; 162.3M parameters, 4 ranks, sdp 4, fp32, batch 1x128,
+2 steps, AdamW, --bucket 5e7 --mmap-threshold 1048576; max over ranks, MiB):
+
+    revision                      VmHWM   training peak: forward / backward / optimizer
+    e11fc33 (before issue 19)     1823.0  1122 / 1300 / 758
+    a26ff8e (storage freed)       1755.4  1000 / 1232 / 765
+
+Small here because the root unit (untied embed_in + embed_out: 77M of the 162M elements) stays
+gathered through forward and backward, and native gloo's AllGather holds a flat temporary copy of
+the root's whole output while gathering it (+309 MB), on top of AdamW's state from step 1: the
+twelve layers (28 MB each) the old code kept alive are a small part of this model's peak.
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ MODELS: dict[str, dict[str, int]] = {
     "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024},
 }
 VOCAB = 50304
+PHASES = ("forward", "backward", "optimizer")
 
 
 def _status_mib(key: str) -> float:
@@ -74,19 +89,34 @@ def _rank(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     g = torch.Generator().manual_seed(rank)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    build_hwm = _status_mib("VmHWM")  # the resets below lose it
     before = _status_mib("VmRSS")
+    phases = dict.fromkeys(PHASES, 0.0)
     start = time.perf_counter()
     for _ in range(args.steps):
         ids = torch.randint(0, VOCAB, (args.batch, args.seq), generator=g)
-        model.backward(model(input_ids=ids, labels=ids).loss)
+        _reset_hwm()
+        loss = model(input_ids=ids, labels=ids).loss
+        phases["forward"] = max(phases["forward"], _status_mib("VmHWM") - before)
+        _reset_hwm()
+        model.backward(loss)
+        del loss
+        phases["backward"] = max(phases["backward"], _status_mib("VmHWM") - before)
+        _reset_hwm()
         opt.step()
         opt.zero_grad()
+        phases["optimizer"] = max(phases["optimizer"], _status_mib("VmHWM") - before)
     seconds = time.perf_counter() - start
-    train = _status_mib("VmHWM") - before
     smp.shutdown()
-    return {"numel": numel, "hwm": _status_mib("VmHWM"), "train": train, "before": before, "s": seconds}
+    train = max(phases.values())
+    hwm = max(build_hwm, before + train)
+    return {"numel": numel, "hwm": hwm, "train": train, "before": before, "s": seconds, **phases}
+
+
+def _reset_hwm() -> None:
+    """VmHWM := the current RSS (Linux >= 4.0), so the next read is the peak since now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _entry(args: argparse.Namespace, path: str, rank: int, port: int, queue: Any) -> None:
@@ -191,12 +221,15 @@ def main(argv: list[str] | None = None) -> int:
         f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'unset'}"
     )
     for r, res in enumerate(ranks):
+        split = " / ".join(f"{res[k]:.0f}" for k in PHASES)
         print(
-            f"  rank {r}: peak RSS (VmHWM) {res['hwm']:8.1f} MiB   training peak above the pre-step RSS "
-            f"{res['train']:8.1f} MiB   (pre-step RSS {res['before']:.1f} MiB, {res['s']:.1f} s)"
+            f"  rank {r}: peak RSS (VmHWM) {res['hwm']:7.1f} MiB   training peak above the pre-step RSS "
+            f"{res['train']:7.1f} MiB (forward / backward / optimizer {split})   "
+            f"(pre-step RSS {res['before']:.1f} MiB, {res['s']:.1f} s)"
         )
     hwm, train = max(r["hwm"] for r in ranks), max(r["train"] for r in ranks)
-    print(f"  max over ranks: VmHWM {hwm:.1f} MiB, training {train:.1f} MiB")
+    split = " / ".join(f"{max(r[k] for r in ranks):.0f}" for k in PHASES)
+    print(f"  max over ranks: VmHWM {hwm:.1f} MiB, training {train:.1f} MiB (forward / backward / optimizer {split})")
     return 0
 
 
