@@ -9,7 +9,7 @@ side -- so ONE ReduceScatter hands each rank exactly its shards of all of them:
 
 A complete bucket is issued asynchronously (the engine's thread / NCCL stream runs it while backward
 goes on); the results are added to the fp32 main grads when the reducer is drained at the end of
-backward.
+backward. [Note: bucket lifetime] says how long each buffer lives.
 
 [Note: bucket plan]
 Which units share a bucket, and the column range of each, is fixed when the model is built
@@ -40,6 +40,26 @@ same bits; what goes is the model-sized buffer, allocated afresh every step (gli
 above 32 MiB: ~70 ms of page faults per 105 MB here), and one copy of every gradient into it
 (docs/performance-history.md, item 7). Engines that would pack the spans anyway (native: gloo and NCCL need
 one buffer) keep the bucket, packed unit by unit as grads arrive, so the grads are freed early.
+
+[Note: bucket lifetime]
+Gradient memory in a backward is about one bucket plus the sharded gradients (issue 19):
+  * a unit's full gradients live until `add` packs them into its bucket (`Unit.take_grads` takes them
+    off the parameters; the copy is their last use) -- or, read in place, until the bucket is issued;
+  * a bucket's [num_shards, width] buffer lives from its first unit's arrival until its ReduceScatter
+    completes. The reducer drops its own reference when it issues the bucket, but a torch.distributed
+    Work keeps its input tensors until the Work object itself goes, so each `add` retires the issued
+    buckets whose collective has completed (`_retire_completed`: a finished wait, no blocking); only
+    the sharded output stays for `drain`. Without that every bucket stayed allocated until the end of
+    backward: with a bucket of one unit, the whole model's gradients unsharded;
+  * double buffering: before a new bucket takes its first unit, at most one issued bucket may still
+    be in flight -- an older one is waited for (`_limit_inflight`). It was issued a whole bucket of
+    backward compute ago, so the wait is normally already over; where the collectives are slower than
+    backward computes, it bounds the buckets alive to two instead of letting them pile up. Every rank
+    issues the same collectives in the same order ([Note: bucket plan]), so the wait cannot deadlock;
+  * the outputs ([width] per bucket, this rank's shard) become the main grads at `drain`.
+So gradient memory in backward is at most one unit's full gradients, two buckets of
+sdp_reduce_bucket_size elements, and the sharded gradients. The default (5e8 elements, the
+reference's) is one bucket for most models: set it to a few units to bound gradient memory.
 
 [Note: replication in the bucket]
 With sdp 1 (plain data parallelism, reference 001's balanced fusion buffer) a bucket needs no
@@ -108,6 +128,7 @@ class _Inflight:
     plan: BucketPlan
     out: torch.Tensor
     replicated: bool  # `out` holds final main grads, AllReduced over the replication group
+    retired: bool = False  # the collective completed and its Work (and input) were dropped
 
 
 @dataclass
@@ -170,6 +191,8 @@ class GradReducer:
                 f"unit {unit.name} has no place in the bucket plan (trainable when the model was built?)"
             )
         b, column, position = self._where[id(unit)]
+        if self._arrived[b] == 0:
+            self._limit_inflight()  # a new bucket starts: at most one other in flight ([Note: bucket lifetime])
         if self.reads_in_place:
             grads = self._grads[b]
             if grads is None:
@@ -188,6 +211,23 @@ class GradReducer:
         while self._next < len(self.plans) and self._arrived[self._next] == len(self.plans[self._next].units):
             self._issue(self._next)
             self._next += 1
+        self._retire_completed()
+
+    def _limit_inflight(self, most: int = 1) -> None:
+        """Wait for the oldest issued buckets until at most `most` are still in flight."""
+        self._retire_completed()
+        pending = [item for item in self._inflight if not item.retired]
+        for item in pending[: max(0, len(pending) - most)]:
+            item.work.wait()
+            item.work, item.retired = CompletedWork(), True
+
+    def _retire_completed(self) -> None:
+        """Finish the issued buckets whose collective has completed, dropping their Work -- and with it
+        the input buffer it keeps alive ([Note: bucket lifetime]); the output waits for `drain`."""
+        for item in self._inflight:
+            if not item.retired and item.work.is_completed():
+                item.work.wait()  # returns at once; finishes an AVG the backend did as SUM
+                item.work, item.retired = CompletedWork(), True
 
     def _issue(self, b: int) -> None:
         """Start bucket b's collective asynchronously: ReduceScatter, or at sdp 1 the replication

@@ -19,6 +19,35 @@ the backward of an op that saved the borrowed parameter (`x @ w`) -- but once th
 tensor inputs of each of its forward calls have been computed, which is when its whole backward has
 run (`release_borrowed`, from hooks.py's _CallBackwardDone through the scheduler); a call without such
 inputs leaves it to the end of the backward.
+
+[Note: gathered storage]
+At sdp > 1 a unit has ONE gathered buffer for its whole life, `_gathered` (padded_numel elements in
+compute dtype), whose storage is emptied when the unit is resharded and refilled when it is unsharded
+(FSDP2's `free_storage` / `alloc_storage`, _fsdp_param.py):
+
+    unshard:  storage.resize_(padded_numel * itemsize) ; AllGather into _gathered ; p.data = views of it
+    reshard:  p.data = empty tensor ; storage.resize_(0)          <- the memory goes back here
+
+Why the storage and not the tensor: autograd keeps what a forward saved until the backward runs --
+F.linear saves the weight for the input gradient as a transposed *view*, a tensor of its own that
+shares the buffer's storage object. Dropping our tensor (`_full = None`, as until issue 19) left those
+views holding every unit's gathered memory from its forward to its backward, whatever
+sdp_max_live_parameters said. `resize_(0)` frees the memory under every view at once, whoever holds
+them (autograd, hooks, caches). A view addresses storage + offset when it is read, so once backward
+unshards the unit again -- the same storage object, refilled by a new AllGather -- every view autograd
+saved reads the re-gathered values: the same bits, since parameters do not change between a forward
+and its backward. The scheduler gathers a unit before any of its backward nodes runs (the pre-backward
+hook, an activation-checkpoint recomputation, or a borrower's hold, [Note: holders]). A saved view read
+while its unit is sharded finds a storage without memory: torch does not check that, the process dies
+(SIGSEGV on CPU) -- loud, never stale values; before issue 19 it silently read the old buffer.
+
+Saved views stay *valid* too: autograd checks a saved tensor's version counter at unpack. Each
+original parameter keeps its own version counter across `p.data = ...` (set_data does not share the
+new data's), and the views autograd saves are made from the parameter, so they share the parameter's
+counter, not the buffer's. Writes into `_gathered` -- the engine's AllGather, the hierarchical gather's
+permute copy, `load_full_params` through `p.data` -- bump only the buffer's own counter, so no
+`_unsafe_preserve_version_counter` is needed (FSDP2 copies into the parameters' own views, so it needs
+one). At sdp 1 the parameters view the compute shard itself (no gather): there is nothing to free.
 """
 
 from __future__ import annotations
@@ -148,7 +177,8 @@ class Unit:
         self.deps: list[Unit] = []  # units whose parameters this unit's forward uses
         # Forward calls of this unit whose inputs have not all got their gradient yet ([Note: holders]).
         self.borrow_calls = 0
-        self._full: torch.Tensor | None = None
+        self._full: torch.Tensor | None = None  # what the parameters view while unsharded
+        self._gathered: torch.Tensor | None = None  # sdp > 1: [Note: gathered storage]
         self._gather_work: Work | None = None
         self.num_trainable = sum(p.requires_grad for p in params)
         self.has_frozen = self.num_trainable != len(params)
@@ -211,7 +241,7 @@ class Unit:
                 self._point_params_at(self._full)
                 self.state = UnitState.UNSHARDED
             else:
-                full = self.comm.engine.alloc_buffer(self.layout.padded_numel, self.compute_dtype, self.device)
+                full = self._fill_gathered_storage()
                 self._gather_work = self.comm.gather(full, self.compute_shard(), async_op=True, unit=self)
                 self._full = full
                 self.state = UnitState.UNSHARDING
@@ -232,6 +262,20 @@ class Unit:
         self._gather_work = None
         self._point_params_at(self._full)
         self.state = UnitState.UNSHARDED
+
+    def _fill_gathered_storage(self) -> torch.Tensor:
+        """The gathered buffer with its storage allocated, contents undefined ([Note: gathered storage])."""
+        buf = self._gathered
+        if buf is None:
+            buf = self.comm.engine.alloc_buffer(self.layout.padded_numel, self.compute_dtype, self.device)
+            if not buf.untyped_storage().resizable():
+                raise AssertionError(f"unit {self.name}: the engine's gathered buffer cannot be freed by resize_")
+            self._gathered = buf
+        else:
+            storage, nbytes = buf.untyped_storage(), buf.numel() * buf.element_size()
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+        return buf
 
     def _point_params_at(self, full: torch.Tensor) -> None:
         for p, spec in zip(self.params, self.layout.specs, strict=True):
@@ -270,6 +314,9 @@ class Unit:
             p.data = self._empty(p)
         if self._full is not None and self.comm.on_live_change is not None:
             self.comm.on_live_change(self, -self.layout.padded_numel)
+        if self._full is not None and self._full is self._gathered:
+            # the memory itself, under every view autograd saved ([Note: gathered storage])
+            self._gathered.untyped_storage().resize_(0)
         self._full = None
         self.state = UnitState.SHARDED
 
