@@ -36,17 +36,10 @@ counts every call by (op, route) so a test can pin where the bytes went.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
-import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,78 +58,10 @@ from shardpar.collectives.base import (
 from shardpar.collectives.failures import CollectiveError, CollectiveTimeoutError, culprit_message
 from shardpar.collectives.hierarchical import HierarchicalSteps, hierarchical_all_gather
 from shardpar.collectives.native import NativeEngine
+from shardpar.collectives.smddp_job import _agree_on_job, _split_by_node, segment_key
+from shardpar.collectives.smddp_work import SmddpOptions, SmddpWork
 
 _REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16)
-DEFAULT_AG_SCRATCH_BYTES = 16 * 1024 * 1024
-DEFAULT_AG_SORT_BYTES = 128 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class SmddpOptions:
-    """What the engine needs from the config; None fields are read from the environment."""
-
-    timeout_s: float = 300.0
-    ranks_per_node: int | None = None
-    ag_scratch_bytes: int | None = None
-    ag_sort_bytes: int | None = None
-    # sdp_hierarchical_allgather: off, a gather over a group spanning nodes goes native ("hierarchical_off").
-    hierarchical_allgather: bool = True
-
-    def resolved(self, world: int) -> SmddpOptions:
-        env = os.environ
-        rpn = self.ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", world) or world)
-        scratch = self.ag_scratch_bytes or int(env.get("SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES", DEFAULT_AG_SCRATCH_BYTES))
-        sort = self.ag_sort_bytes or int(env.get("SMDDP_AG_SORT_BUFFER_SIZE_BYTES", DEFAULT_AG_SORT_BYTES))
-        return SmddpOptions(self.timeout_s, rpn, scratch, sort, self.hierarchical_allgather)
-
-
-class SmddpWork:
-    """A step queued on the engine's worker; `wait` re-raises its error, or TimeoutError.
-
-    By default `wait` allows twice the engine's timeout plus 10 s, counted from the call to `wait`:
-    inside the step every shm wait already has the engine's timeout and fails naming the missing
-    peer, and that error (raised here) is the useful one. This deadline is the backstop for a
-    worker that stopped making progress at all. `explain` turns a failure into the error to raise
-    (the engine's: it names the rank that failed first); without it the step's error is raised."""
-
-    def __init__(
-        self,
-        future: Future[None],
-        timeout_s: float,
-        op: str = "collective",
-        group: Group | None = None,
-        explain: Callable[[BaseException, bool], BaseException] | None = None,
-    ) -> None:
-        self._future, self._timeout_s, self._op, self._group = future, timeout_s, op, group
-        self._explain = explain
-
-    def wait(self, timeout: float | None = None) -> None:
-        seconds = 2 * self._timeout_s + 10 if timeout is None else timeout
-        # Not future.result(timeout): its TimeoutError is the builtin one (Python >= 3.11), which the
-        # step's own ShmTimeoutError subclasses, so catching it would hide the transport's message.
-        done, _ = futures.wait([self._future], timeout=seconds)
-        if not done:
-            where = f" on {self._group.kind} group {list(self._group.ranks)}" if self._group is not None else ""
-            stuck = TimeoutError(
-                f"smddp {self._op}{where} did not finish within {seconds:g} s of waiting for it "
-                f"(collective_timeout_s={self._timeout_s:g}); look for an earlier error on another rank, or raise "
-                "collective_timeout_s if the ranks are only slow"
-            )
-            if self._explain is None:
-                raise stuck
-            raise self._explain(stuck, True)
-        error = self._future.exception()
-        if error is None:
-            return
-        if self._explain is None:
-            raise error
-        explained = self._explain(error, False)
-        if explained is error:
-            raise error
-        raise explained from error
-
-    def is_completed(self) -> bool:
-        return self._future.done()
 
 
 def _shm_op(op: ReduceOp) -> str:
@@ -442,54 +367,6 @@ class SmddpEngine:
         return hierarchical_all_gather(
             self, output, input, sharding=group, node=node, cross=cross, async_op=async_op, steps=steps
         )
-
-
-def segment_key(secret: str, ranks: Sequence[int]) -> str:
-    """The key in the segment name of the group `ranks`: HMAC-SHA256 under the engine's secret, so a
-    name seen in /dev/shm reveals neither the secret nor any other group's name ([Note: smddp ordering])."""
-    digest = hmac.new(secret.encode(), ",".join(map(str, ranks)).encode(), hashlib.sha256).hexdigest()
-    return f"j{digest[:32]}"
-
-
-def _split_by_node(ranks: tuple[int, ...], rpn: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]] | None:
-    """(per-node members, cross-node peers at the same position) or None when nodes hold unequal counts."""
-    by_node: dict[int, list[int]] = {}
-    for r in ranks:
-        by_node.setdefault(r // rpn, []).append(r)
-    if len({len(v) for v in by_node.values()}) != 1:
-        return None
-    per_node = [tuple(v) for v in by_node.values()]
-    return per_node, [tuple(node[i] for node in per_node) for i in range(len(per_node[0]))]
-
-
-def _agree_on_job(collective: bool, rank: int, world: int, ranks_per_node: int) -> str:
-    """A secret of this engine in this job (rank 0's draw, sent over the process group: never through
-    /dev/shm or the store), after checking that every rank counts the same ranks per node and that no
-    node spans two hosts: its ranks could not share memory, and would wait for each other at the first
-    shm collective until the timeout."""
-    mine = (secrets.token_hex(16) if rank == 0 else "", shm.host_id(), ranks_per_node)
-    replies: list[Any] = [mine]
-    if collective:
-        replies = [None] * world  # all_gather_object fills every entry
-        dist.all_gather_object(replies, mine)
-    rpn = replies[0][2]  # rank 0's, so that every rank raises the same error
-    for rank, (_, _, theirs) in enumerate(replies):
-        if theirs != rpn:
-            raise ValueError(
-                f"ranks_per_node is {rpn} on rank 0 but {theirs} on rank {rank}: set ranks_per_node "
-                "(or LOCAL_WORLD_SIZE) alike on every rank"
-            )
-    first_on_node: dict[int, tuple[int, str]] = {}
-    for rank, (_, host, _) in enumerate(replies):
-        other, other_host = first_on_node.setdefault(rank // rpn, (rank, host))
-        if other_host != host:
-            raise ValueError(
-                f"ranks_per_node={rpn} puts ranks {other} and {rank} on one node, but they run on "
-                f"different hosts ({other_host!r}, {host!r}) and cannot share memory: set ranks_per_node "
-                "(or LOCAL_WORLD_SIZE) to the number of ranks each host runs"
-            )
-    secret: str = replies[0][0]
-    return secret
 
 
 # Importing this module makes `init_process_group(backend="smddp")` work (reference 000: SMDDP is the

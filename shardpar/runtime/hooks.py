@@ -22,10 +22,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from shardpar.runtime.holds import HoldKind
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer
 from shardpar.runtime.schedule import Scheduler
-from shardpar.runtime.unit import HoldKind, Unit
+from shardpar.runtime.unit import Unit
 from shardpar.runtime.window import AccumulationWindow
 
 

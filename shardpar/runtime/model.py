@@ -19,14 +19,21 @@ from torch.utils.hooks import RemovableHandle
 from shardpar.collectives import Engine
 from shardpar.config import Config
 from shardpar.precision import DtypePolicy
+from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
 from shardpar.runtime.materialize import Materializer, check_nothing_materialised
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer, plan_buckets
 from shardpar.runtime.schedule import LiveCounter, Scheduler
 from shardpar.runtime.state import ShardedState
-from shardpar.runtime.state_dict import full_state_dict, load_full_state_dict
-from shardpar.runtime.unit import Unit, UnitComm, UnitState
+from shardpar.runtime.state_dict import (
+    forget_inner_missing,
+    load_full_state_dict,
+    load_nested,
+    nested_state_dict,
+)
+from shardpar.runtime.unit import Unit
+from shardpar.runtime.unit_comm import UnitComm
 from shardpar.runtime.window import AccumulationWindow
 from shardpar.sharding.layout import flat_layout
 from shardpar.sharding.plan import UnitPlan, WrapPolicy, plan_units
@@ -349,17 +356,7 @@ class DistributedModel(nn.Module):
         destination = args[0] if len(args) > 0 else destination
         prefix = args[1] if len(args) > 1 else prefix
         keep_vars = args[2] if len(args) > 2 else keep_vars
-        full = full_state_dict(self.sharded_state, self.module, keep_vars=keep_vars)
-        if destination is None and not prefix:
-            return full
-        out: dict[str, Any] = OrderedDict() if destination is None else destination
-        for key, value in full.items():
-            out[prefix + key] = value
-        metadata = getattr(out, "_metadata", None)
-        if metadata is not None:  # a parent's state_dict: the module versions its load_state_dict reads
-            for name, m in self.module.named_modules():
-                metadata[(prefix + name).rstrip(".")] = {"version": m._version}
-        return out
+        return nested_state_dict(self.sharded_state, self.module, destination, prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load full tensors (as returned by `state_dict`) into the shards and persistent params; a
@@ -389,23 +386,15 @@ class DistributedModel(nn.Module):
         unexpected ones and errors as nn.Module does. torch then recurses into `self.module`, whose
         parameters are size-0 views outside forward and whose keys (`<prefix>module.*`) the dict never
         holds: `_forget_inner_missing` takes those from the missing keys afterwards."""
-        mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        try:
-            result = load_full_state_dict(self.sharded_state, self.module, mine, strict=False)
-        except ValueError as exc:  # a size mismatch or disagreeing tied names: torch collects errors
-            error_msgs.append(str(exc))
-            return
-        missing_keys.extend(prefix + k for k in result.missing_keys)
-        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
-        self._nested_prefix = prefix
+        if load_nested(self.sharded_state, self.module, state_dict, prefix, missing_keys, unexpected_keys, error_msgs):
+            self._nested_prefix = prefix
 
     @staticmethod
     def _forget_inner_missing(model: DistributedModel, incompatible: Any) -> None:
         prefix = model._nested_prefix
         if prefix is None:
             return
-        inner = prefix + "module."
-        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(inner)]
+        forget_inner_missing(prefix, incompatible.missing_keys)
         model._nested_prefix = None
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:

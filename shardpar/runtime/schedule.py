@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import warnings
 
-from shardpar.runtime.unit import BACKWARD, FORWARD, PREFETCH, Hold, HoldKind, Unit, UnitState
+from shardpar.runtime.holds import BACKWARD, FORWARD, PREFETCH, Hold, HoldKind, UnitState
+from shardpar.runtime.unit import Unit
 
 _ONLY_PREFETCH = {PREFETCH}
 _OWN: dict[HoldKind, Hold] = {HoldKind.FORWARD: FORWARD, HoldKind.BACKWARD: BACKWARD, HoldKind.PREFETCH: PREFETCH}

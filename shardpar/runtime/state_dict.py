@@ -143,3 +143,59 @@ def _check_shapes(
             f"load_state_dict: size mismatch for {'; '.join(bad[:5])}{more}. Load a checkpoint saved from "
             "this model's architecture (same config, same tensor-parallel degree)"
         )
+
+
+# ---- a DistributedModel nested in another module (nn.Module's recursion reaches it) ----------------
+
+
+def nested_state_dict(
+    state: ShardedState,
+    module: nn.Module,
+    destination: dict[str, Any] | None,
+    prefix: str,
+    *,
+    keep_vars: bool,
+) -> dict[str, Any]:
+    """`full_state_dict` under `prefix`, written into `destination` when given (a parent's dict, whose
+    `_metadata` gets the module versions its load_state_dict reads, as nn.Module writes them)."""
+    full = full_state_dict(state, module, keep_vars=keep_vars)
+    if destination is None and not prefix:
+        return full
+    out: dict[str, Any] = OrderedDict() if destination is None else destination
+    for key, value in full.items():
+        out[prefix + key] = value
+    metadata = getattr(out, "_metadata", None)
+    if metadata is not None:
+        for name, m in module.named_modules():
+            metadata[(prefix + name).rstrip(".")] = {"version": m._version}
+    return out
+
+
+def load_nested(
+    state: ShardedState,
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    prefix: str,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> bool:
+    """A parent's load_state_dict reaching the wrapper at `prefix`: load the keys under it (the
+    unwrapped model's keys, as `nested_state_dict` writes them) and report missing and unexpected ones
+    and errors as nn.Module does (errors collected, not raised). True when it loaded: torch then
+    recurses into the wrapped module, whose keys (`<prefix>module.*`) no dict holds, and
+    `forget_inner_missing` takes those back out of the missing keys."""
+    mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    try:
+        result = load_full_state_dict(state, module, mine, strict=False)
+    except ValueError as exc:  # a size mismatch or disagreeing tied names
+        error_msgs.append(str(exc))
+        return False
+    missing_keys.extend(prefix + k for k in result.missing_keys)
+    unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+    return True
+
+
+def forget_inner_missing(prefix: str, missing_keys: list[str]) -> None:
+    inner = prefix + "module."
+    missing_keys[:] = [k for k in missing_keys if not k.startswith(inner)]

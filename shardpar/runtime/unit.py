@@ -52,16 +52,15 @@ one). At sdp 1 the parameters view the compute shard itself (no gather): there i
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from shardpar.collectives import Engine, Group, ReduceOp, Span, Work
-from shardpar.collectives.hierarchical import hierarchical_all_gather, scratch_numel
+from shardpar.collectives import ReduceOp, Span, Work
 from shardpar.precision import DtypePolicy
+from shardpar.runtime.holds import Hold, HoldKind, UnitState
+from shardpar.runtime.unit_comm import UnitComm
 from shardpar.sharding.layout import FlatLayout, ParamSlice
 
 
@@ -73,72 +72,6 @@ def set_param_data(p: nn.Parameter, data: torch.Tensor) -> None:
         torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
     else:
         p.data = data
-
-
-class UnitState(enum.Enum):
-    SHARDED = "sharded"
-    UNSHARDING = "unsharding"  # AllGather issued, buffer allocated, not waited for yet
-    UNSHARDED = "unsharded"
-
-
-class HoldKind(enum.Enum):
-    """Why a unit is kept unsharded ([Note: holders])."""
-
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    PREFETCH = "prefetch"
-
-
-@dataclass(frozen=True, slots=True)
-class Hold:
-    """One reason a unit is unsharded: `kind`, for the unit itself (`borrower` None) or for unit
-    `borrower`, which uses its parameters ([Note: holders])."""
-
-    kind: HoldKind
-    borrower: int | None = None
-
-
-# A unit's own holds; the borrowed ones are built once per unit (`Unit.lent_holds`): no allocation per call.
-FORWARD = Hold(HoldKind.FORWARD)
-BACKWARD = Hold(HoldKind.BACKWARD)
-PREFETCH = Hold(HoldKind.PREFETCH)
-
-
-@dataclass(frozen=True)
-class UnitComm:
-    """What a unit needs to communicate: the engine, its groups, and how to AllGather."""
-
-    engine: Engine
-    sharding: Group
-    replication: Group
-    shard_index: int
-    # Set when the sharding group spans nodes and sdp_hierarchical_allgather is on.
-    node: Group | None = None
-    cross: Group | None = None
-    on_live_change: Callable[[Unit, int], None] | None = None  # (unit, +/- elements)
-
-    def gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, unit: Unit | None = None) -> Work:
-        """AllGather `shard` into `output`; a hierarchical gather reports its scratch buffers for `unit`
-        through `on_live_change` while it holds them ([Note: hierarchical chaining])."""
-        if self.node is not None and self.cross is not None:
-            on_live, on_scratch = self.on_live_change, None
-            if on_live is not None and unit is not None:
-                on_scratch = lambda delta: on_live(unit, delta)  # noqa: E731
-            return hierarchical_all_gather(
-                self.engine,
-                output,
-                shard,
-                sharding=self.sharding,
-                node=self.node,
-                cross=self.cross,
-                async_op=async_op,
-                on_scratch=on_scratch,
-            )
-        return self.engine.all_gather(output, shard, self.sharding, async_op=async_op)
-
-    def gather_scratch(self, numel: int) -> int:
-        """Elements `gather` holds besides an output of `numel` while it runs (the live cap counts them)."""
-        return 0 if self.node is None or self.cross is None else scratch_numel(numel, self.node.size)
 
 
 class Unit:

@@ -1,0 +1,50 @@
+"""What a unit needs to communicate (UnitComm): the engine, its groups, and how it AllGathers --
+flat, or hierarchically when the sharding group spans nodes ([Note: hierarchical chaining])."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardpar.collectives import Engine, Group, Work
+from shardpar.collectives.hierarchical import hierarchical_all_gather, scratch_numel
+
+
+@dataclass(frozen=True)
+class UnitComm:
+    """What a unit needs to communicate: the engine, its groups, and how to AllGather."""
+
+    engine: Engine
+    sharding: Group
+    replication: Group
+    shard_index: int
+    # Set when the sharding group spans nodes and sdp_hierarchical_allgather is on.
+    node: Group | None = None
+    cross: Group | None = None
+    on_live_change: Callable[[Any, int], None] | None = None  # (unit, +/- elements)
+
+    def gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, unit: Any = None) -> Work:
+        """AllGather `shard` into `output`; a hierarchical gather reports its scratch buffers for `unit`
+        through `on_live_change` while it holds them ([Note: hierarchical chaining])."""
+        if self.node is not None and self.cross is not None:
+            on_live, on_scratch = self.on_live_change, None
+            if on_live is not None and unit is not None:
+                on_scratch = lambda delta: on_live(unit, delta)  # noqa: E731
+            return hierarchical_all_gather(
+                self.engine,
+                output,
+                shard,
+                sharding=self.sharding,
+                node=self.node,
+                cross=self.cross,
+                async_op=async_op,
+                on_scratch=on_scratch,
+            )
+        return self.engine.all_gather(output, shard, self.sharding, async_op=async_op)
+
+    def gather_scratch(self, numel: int) -> int:
+        """Elements `gather` holds besides an output of `numel` while it runs (the live cap counts them)."""
+        return 0 if self.node is None or self.cross is None else scratch_numel(numel, self.node.size)
