@@ -64,7 +64,10 @@ def _each(preserve_rng_state: bool) -> _Call:
             return run(*args, **kwargs)
         # Inside another checkpoint's recomputation this checkpoints again, as torch's nested checkpoints
         # do: the outer region saved none of this call's tensors in forward, so it must save none now.
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+        # kwargs ride in the function, not through checkpoint(): names such as `debug` or `context_fn`
+        # would be taken as checkpoint's own options.
+        run = functools.partial(run, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
 
     return call
 

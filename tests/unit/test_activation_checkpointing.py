@@ -210,3 +210,32 @@ def test_a_deep_copy_of_a_checkpointed_model_is_checkpointed_alike() -> None:
     ref.zero_grad()
     assert _equal(_grads(twin), _grads(ref))
     assert calls == [2, 2, 2, 2]
+
+
+class _Debuggable(nn.Module):
+    def forward(self, h: torch.Tensor, *, debug: bool = False, context_fn: Any = None) -> torch.Tensor:
+        return torch.tanh(h) * (2.0 if debug else 1.0) + (0.0 if context_fn is None else 1.0)
+
+
+def test_keyword_arguments_reach_the_module_even_when_checkpoint_has_them_too() -> None:
+    module = _Debuggable()
+    smp.set_activation_checkpointing(module)
+    x = torch.randn(3, requires_grad=True)
+    out = module(x, debug=True, context_fn="mine")
+    assert torch.equal(out, torch.tanh(x) * 2.0 + 1.0)
+    out.sum().backward()
+    assert torch.allclose(x.grad, 2.0 * (1 - torch.tanh(x) ** 2))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("outer", ["each", "group_2", "contiguous"])
+def test_nested_checkpoints(outer: str) -> None:
+    """A checkpointed submodule inside checkpointed blocks, and HF-style torch checkpoints of a block's
+    forward inside ours: each recomputation checkpoints the inner one again, as torch's nesting does."""
+    ref = Net(loop="dropout")
+    net = copy.deepcopy(ref)
+    smp.set_activation_checkpointing(net.blocks[1].up)
+    smp.set_activation_checkpointing(net.blocks, strategy=outer)
+    inner = net.blocks[2].down
+    plain_forward = inner.forward
+    inner.forward = lambda h: torch.utils.checkpoint.checkpoint(plain_forward, h, use_reentrant=False)  # type: ignore[method-assign]
+    assert _equal(_grads(net), _grads(ref))
