@@ -56,8 +56,13 @@ class _Key:
 
 @dataclass(frozen=True)
 class _Held:
+    """An input kept from forward. A tensor is kept detached (same storage and version counter): its
+    graph may lead back into this group, whose saved tensors' hooks hold the frame -- a cycle through
+    C++ autograd nodes that Python's collector cannot free when no backward comes."""
+
     value: Any
     version: int | None  # a tensor's version counter when the call got it
+    requires_grad: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,8 +137,10 @@ class GroupFrame:
                 link = next((j for j, (ref, v) in enumerate(previous) if ref() is leaf and leaf._version == v), None)
             if link is not None:
                 inputs.append(_Link(link))
+            elif isinstance(leaf, torch.Tensor):
+                inputs.append(_Held(leaf.detach(), leaf._version, leaf.requires_grad))
             else:
-                inputs.append(_Held(leaf, leaf._version if isinstance(leaf, torch.Tensor) else None))
+                inputs.append(_Held(leaf, None))
         if self.calls:
             self.calls[-1].outputs = []  # only the next call links to them
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -205,14 +212,17 @@ class GroupFrame:
                 )
             return previous[item.index]
         value = item.value
-        if item.version is not None and value._version != item.version:
+        if item.version is None:
+            return value
+        if value._version != item.version:
             raise RuntimeError(
                 f"an input of {type(call.module).__name__} under a group activation checkpoint was modified "
                 "in place after the call (its version counter moved from "
                 f"{item.version} to {value._version}); the recomputation would see other values. "
                 "Clone it before modifying it, or checkpoint with strategy='each'"
             )
-        return value
+        # A leaf again where the forward's input required grad: the module saves what it saved then.
+        return value.detach().requires_grad_(item.requires_grad)
 
     @contextlib.contextmanager
     def _recording(self, call: _RecordedCall, gid: int) -> Iterator[None]:

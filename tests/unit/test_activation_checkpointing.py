@@ -14,7 +14,7 @@ from torch import nn
 
 import shardpar as smp
 from shardpar.sharding.plan import choose_unit_modules
-from tests import models
+from tests import memory, models
 
 
 class Net(nn.Module):
@@ -109,24 +109,26 @@ def test_dropout_inside_checkpointed_blocks_needs_the_preserved_rng_state(strate
     assert not _equal(_grads(dropped), theirs), "the control"
 
 
-@pytest.mark.parametrize(
-    ("strategy", "kept"), [("each", [True, True, True, True]), ("group_2", [False, True, False, True])]
-)
-def test_a_group_keeps_its_first_input_only(strategy: str, kept: list[bool]) -> None:
-    """Which block outputs are alive after forward. Under 'each' every block's input is kept; under
-    group_2 only each group's first input (block 1's output, the input of group [2, 3]). The last
-    output is the loss's input (square saves it)."""
-    ref = Net(loop="plain")
-    net = copy.deepcopy(ref)
-    smp.set_activation_checkpointing(net.blocks, strategy=strategy)
-    x = torch.randn(5, 13, requires_grad=True)
-    loss = net(x)
-    gc.collect()
-    alive = [r() is not None for r in net.seen]
-    assert alive == kept
-    loss.backward()
-    ref(x.detach().requires_grad_()).backward()
-    assert _equal([p.grad for p in net.parameters()], [p.grad for p in ref.parameters()])
+def test_a_group_keeps_its_first_input_only() -> None:
+    """Bytes of the forward's storages still alive before backward. Under 'each' every block's input is
+    kept, under group_2 only each group's first one (block 1's output, the input of group [2, 3]),
+    under contiguous none but the model's input; the last block's output is square's saved input."""
+    activation = 5 * 13 * 4
+    kept = {}
+    for strategy in ("each", "group_2", "contiguous"):
+        ref = Net(loop="plain")
+        net = copy.deepcopy(ref)
+        smp.set_activation_checkpointing(net.blocks, strategy=strategy)
+        x = torch.randn(5, 13, requires_grad=True)
+        with memory.LiveBytes() as live:
+            loss = net(x)
+            gc.collect()
+            kept[strategy] = live.live
+        loss.backward()
+        ref(x.detach().requires_grad_()).backward()
+        assert _equal([p.grad for p in net.parameters()], [p.grad for p in ref.parameters()]), strategy
+    assert kept["each"] - kept["group_2"] == 2 * activation, kept
+    assert kept["each"] - kept["contiguous"] == 3 * activation, kept
 
 
 def test_state_dict_names_and_hooks_unchanged_and_units_still_found() -> None:
@@ -239,3 +241,22 @@ def test_nested_checkpoints(outer: str) -> None:
     plain_forward = inner.forward
     inner.forward = lambda h: torch.utils.checkpoint.checkpoint(plain_forward, h, use_reentrant=False)  # type: ignore[method-assign]
     assert _equal(_grads(net), _grads(ref))
+
+
+@pytest.mark.parametrize("loop", ["plain", "scale"])
+def test_a_forward_without_backward_leaves_no_frame_alive(loop: str) -> None:
+    """A parent op between the blocks makes a later block's input a tensor computed inside the group:
+    the frame must not keep its graph (whose saved tensors point back at the frame) alive."""
+    from shardpar.api.checkpoint_group import GroupFrame
+
+    def frames() -> int:
+        gc.collect()
+        return sum(type(o) is GroupFrame for o in gc.get_objects())
+
+    net = Net(loop=loop)
+    smp.set_activation_checkpointing(net.blocks, strategy="contiguous")
+    before = frames()
+    loss = net(torch.randn(5, 13, requires_grad=True))
+    assert frames() == before + 1
+    del loss
+    assert frames() == before
