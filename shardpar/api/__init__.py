@@ -2,6 +2,7 @@
 (training.py), `@smp.step` (step.py), the data helpers (data.py) and the same-model check.
 `shardpar/__init__.py` re-exports what users call."""
 
+from shardpar.api.activation_checkpointing import set_activation_checkpointing
 from shardpar.api.context import (
     CommGroup,
     allgather,
@@ -120,6 +121,7 @@ __all__ = [
     "sdp_rank",
     "sdp_size",
     "send",
+    "set_activation_checkpointing",
     "shutdown",
     "size",
     "step",

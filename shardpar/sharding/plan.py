@@ -26,12 +26,24 @@ class UnitPlan:
     borrowed: list[nn.Parameter] = field(default_factory=list)
 
 
+# The class attribute naming the original class of a module whose class smp.set_activation_checkpointing
+# swapped for a subclass that only checkpoints its __call__ (api/activation_checkpointing.py).
+CHECKPOINTED_BASE = "_shardpar_checkpointed_base"
+
+
+def built_class(m: nn.Module) -> type:
+    """The class `m` was built as, before any activation-checkpointing class swap."""
+    cls = type(m)
+    base = cls.__dict__.get(CHECKPOINTED_BASE)
+    return base if isinstance(base, type) else cls
+
+
 def _is_repeated_list(m: nn.Module) -> bool:
     children = list(m.children())
     return (
         isinstance(m, nn.ModuleList)
         and len(children) >= 2
-        and len({type(c) for c in children}) == 1
+        and len({built_class(c) for c in children}) == 1
         and any(True for _ in m.parameters())
     )
 
