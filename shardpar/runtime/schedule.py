@@ -98,7 +98,9 @@ class Scheduler:
         """Unit `unit` is about to compute (its forward, or its backward when `kind` is BACKWARD): make it
         (and its borrowed units) gathered, then prefetch."""
         backward = kind is HoldKind.BACKWARD
-        (self._backward_now if backward else self._forward_now).append(unit)
+        now = self._backward_now if backward else self._forward_now
+        if unit not in now:  # a recomputation (or the root's second pre-backward) requires it again
+            now.append(unit)
         self._make_room(unit)
         unit.unshard(_OWN[kind], async_op=True)
         unit.reshard(PREFETCH)  # a prefetch turned into a real use (no-op otherwise)

@@ -527,6 +527,7 @@ def resume_after_crash_case(root: str, facade: bool = False) -> dict[str, Any]:
     state = _full_state(model)
     state.update({f"moment:{k}": v for k, v in _adam_moments(model, opt).items()})
     before = sorted(p.name for p in Path(root).iterdir())
+    smp.barrier()  # every rank has listed before rank 0 starts the next save's temporary directory
     _save(root, "after", model, opt)
     after = sorted(p.name for p in Path(root).iterdir())
     return {"content": content, "state": state, "rng": rng, "listing_before": before, "listing_after": after}
