@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -58,8 +59,31 @@ def _send_global(obj: Any, dest: int, what: str) -> None:
     st.p2p_sent[dest] = n + 1
     key = f"{_PREFIX}/{me}>{dest}/{n}"
     store.set(key, pickle.dumps(obj))  # type: ignore[arg-type]  # c10d stores take bytes too
-    _wait(store, key + "/ack", f"{what}: global rank {dest} taking the object (its smp.recv_from({me}, ...))")
+    _wait_for_ack(store, key + "/ack", f"{_PREFIX}/{dest}>{me}/{st.p2p_received.get(dest, 0)}", dest, what)
     store.delete_key(key + "/ack")
+
+
+def _wait_for_ack(store: dist.Store, ack: str, theirs: str, dest: int, what: str) -> None:
+    """Wait for `dest` to take the object; a `dest` that is itself sending to this rank would wait for
+    this rank's recv_from forever, as this rank waits for its: an error now, not a timeout later.
+    That is also what every member calling `smp.broadcast(obj, group)` without `src` looks like."""
+    timeout = state().config.collective_timeout_s
+    deadline = time.monotonic() + timeout
+    pause = 0.0005
+    while not store.check([ack]):
+        if store.check([theirs]):
+            raise ValueError(
+                f"{what}: global rank {dest} is sending to this rank while this rank sends to it, so each waits "
+                "for the other's smp.recv_from. SMP v1's smp.broadcast(obj, group) is called by the sender alone, "
+                "with smp.recv_from on the others; for a collective that every member calls, pass src=<global rank>"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{what}: global rank {dest} taking the object (its smp.recv_from({rank()}, ...)) did not happen "
+                f"within collective_timeout_s={timeout:g} s"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
 
 
 def send(obj: Any, dest_rank: int, rank_type: RankType) -> None:

@@ -75,8 +75,9 @@ class DistributedModel(nn.Module):
         self.unused_params: set[int] = set()  # ids of params without a gradient in the last window
         self.policy = DtypePolicy.from_config(config)
         self.device = device or _module_device(module)
-        # non-finite losses `backward` saw in the open window: a tensor, so the healthy path never syncs
-        self.nonfinite_losses = torch.zeros((), dtype=torch.int64, device=self.device)
+        # Non-finite losses `backward` saw in the open window: a tensor, so the healthy path never syncs;
+        # made on first use, so that what wrapping leaves alive is the shards alone.
+        self._nonfinite_losses: torch.Tensor | None = None
         materialize = Materializer(module, self.device)
         materialize.buffers()
         plans = plan_units(module, wrap)
@@ -303,6 +304,13 @@ class DistributedModel(nn.Module):
         for hook in hooks:
             hook(self, optimizer)
 
+    @property
+    def nonfinite_losses(self) -> torch.Tensor:
+        """How many losses passed to `backward` in the open window were not finite (a 0-d tensor)."""
+        if self._nonfinite_losses is None:
+            self._nonfinite_losses = torch.zeros((), dtype=torch.int64, device=self.device)
+        return self._nonfinite_losses
+
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, scaled by the fp16 loss scale (the optimizer divides it out again).
 
@@ -322,7 +330,7 @@ class DistributedModel(nn.Module):
         every rank ([Note: non-finite steps], optim/nonfinite.py); a finite one by 1.0, which is exact.
         """
         bad = torch.logical_not(torch.isfinite(loss.detach())).any()
-        self.nonfinite_losses += bad.to(self.nonfinite_losses.device)
+        self.nonfinite_losses.add_(bad.to(self.device))
         scaled = loss * self.loss_scale if self.loss_scale != 1.0 else loss
         poison = torch.where(bad, float("nan"), 1.0).to(device=scaled.device, dtype=scaled.dtype)
         (scaled * poison).backward()

@@ -25,7 +25,10 @@ def _facade_queries(knobs: dict) -> dict:
         "local": (smp.local_rank(), smp.local_size()),
         "groups": {k: g.ranks for k, g in topo.groups.items()},
         "gathered": smp.allgather(smp.rank() * 10, smp.CommGroup.SDP_GROUP),
-        "bcast": smp.broadcast(f"from {smp.rank()}", smp.CommGroup.TP_GROUP),
+        # the collective form names its source; without src it is SMP v1's sender-only broadcast (api/p2p.py)
+        "bcast": smp.broadcast(
+            f"from {smp.rank()}", smp.CommGroup.TP_GROUP, src=smp.get_topology().group("tp").ranks[0]
+        ),
     }
     try:  # global rank 3 is in the sharding group of ranks 2 and 3 only: the others raise, nobody waits
         out["bcast_src3"] = smp.broadcast(f"from {smp.rank()}", smp.CommGroup.SDP_GROUP, src=3)

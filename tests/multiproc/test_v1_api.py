@@ -42,3 +42,9 @@ def test_v1_p2p_errors_name_the_rule_and_the_peer(ranks) -> None:
 def test_an_optimizer_of_a_tp_model_without_its_split_table_is_refused(ranks) -> None:
     for msg in ranks.run(4, v1_api_cases.optimizer_needs_tp_splits_case):
         assert "tensor_parallel_degree=2 needs its TP split table" in msg, msg
+
+
+def test_every_member_broadcasting_without_src_is_an_error_not_a_hang(ranks) -> None:
+    for r in ranks.run(2, v1_api_cases.everyone_broadcasts_case):
+        seconds, msg = r.split(" ", 1)
+        assert float(seconds) < 10.0 and "pass src=<global rank>" in msg, r

@@ -107,3 +107,15 @@ def optimizer_needs_tp_splits_case() -> str:
     except ValueError as exc:
         return str(exc)
     return "accepted"
+
+
+def everyone_broadcasts_case() -> str:
+    """Every member calling smp.broadcast(obj, group) without src (the old collective habit) is two
+    senders waiting for each other: an error naming the fix, not a wait until the timeout."""
+    smp.init({"collective_timeout_s": 30.0})
+    start = time.monotonic()
+    try:
+        smp.broadcast(smp.rank(), smp.WORLD)
+    except ValueError as exc:
+        return f"{time.monotonic() - start:.1f} {exc}"
+    return "returned"
