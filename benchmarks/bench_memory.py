@@ -39,13 +39,14 @@ import multiprocessing as mp
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from typing import Any
+
+from spawn_ranks import collect, free_port  # benchmarks/, on the path when run as a script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS: dict[str, dict[str, int]] = {
@@ -136,44 +137,16 @@ def _entry(args: argparse.Namespace, path: str, rank: int, port: int, queue: Any
         raise SystemExit(1) from None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(args: argparse.Namespace, path: str) -> list[dict[str, Any]]:
     if args.mmap_threshold:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # inherited by the spawned ranks
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(args, path, r, port, queue)) for r in range(args.world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(results) < args.world:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"ranks {sorted(set(range(args.world)) - set(results))} timed out")
-            try:
-                rank, kind, value = queue.get(timeout=0.5)
-            except Exception:  # queue.Empty: check nobody died silently
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                continue
-            if kind == "err":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30 if len(results) == args.world else 0.5)
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    return [results[r] for r in range(args.world)]
+    return collect(procs, queue, args.world, args.timeout)
 
 
 def snapshot(rev: str | None) -> tuple[str, str]:

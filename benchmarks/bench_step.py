@@ -39,7 +39,6 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,8 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from spawn_ranks import collect, free_port  # benchmarks/, on the path when run as a script
 
 FRAMEWORKS = ("shardpar", "fsdp2", "deepspeed", "plain", "shardpar-native")
 # shardpar-native = shardpar on ddp_dist_backend "nccl" (gloo here), for the smddp-vs-native step; opt-in.
@@ -175,43 +176,15 @@ def _rank_entry(case: Case, rank: int, port: int, queue: Any) -> None:
         raise SystemExit(1) from None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(case: Case, timeout_s: float) -> list[dict[str, Any]]:
     """Run `case` on `case.world` spawned ranks: their results in rank order, or RuntimeError."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_entry, args=(case, r, port, queue)) for r in range(case.world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < case.world:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"ranks {sorted(set(range(case.world)) - set(results))} timed out")
-            try:
-                rank, kind, value = queue.get(timeout=0.5)
-            except Exception:  # queue.Empty: check nobody died silently
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                continue
-            if kind == "err":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30 if len(results) == case.world else 0.5)
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    return [results[r] for r in range(case.world)]
+    return collect(procs, queue, case.world, timeout_s)
 
 
 # ---- the runs -------------------------------------------------------------------------------------
