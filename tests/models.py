@@ -118,6 +118,47 @@ def sgd_twins(build: Any, lr: float = 0.5) -> tuple[Any, Any, nn.Module, torch.o
     return model, opt, ref, torch.optim.SGD(ref.parameters(), lr=lr)
 
 
+def adamw_mlp(seed: int) -> tuple[Any, Any]:
+    """A wrapped UnevenMLP and its DistributedOptimizer(AdamW) under smp's current init."""
+    import shardpar as smp
+
+    torch.manual_seed(seed)
+    model = smp.DistributedModel(UnevenMLP())
+    return model, smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def train_mlp(model: Any, opt: Any, steps: range) -> None:
+    for step in steps:
+        model.backward(model(**mlp_batch(step, 4)))
+        opt.step()
+        opt.zero_grad()
+
+
+def model_and_optimizer_state(model: Any, opt: Any) -> dict[str, torch.Tensor]:
+    """Cloned full model state plus the optimizer moments (what a resume must restore exactly)."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    pieces = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    moments = [v.clone() for p in pieces for k, v in sorted(opt.optimizer.state[p].items()) if k != "step"]
+    return {**state, **{f"moment{i}": m for i, m in enumerate(moments)}}
+
+
+def shard_state(model: Any, opt: Any) -> list[torch.Tensor]:
+    """Clones of main shards, compute copies, persistent values and optimizer state: what a skipped
+    step must leave bit-identical."""
+    out = [u.main_shard.clone() for u in model.units] + [u.compute_shard().clone() for u in model.units]
+    out += [model.persistent.main.clone()]
+    for state in opt.state.values():
+        out += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def same_tensors(a: Any, b: Any) -> bool:
+    """Bit-identical: two lists of tensors, or two dicts with the same keys."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def max_param_diff(model: Any, ref: nn.Module) -> float:
     ours, theirs = model.state_dict(), ref.state_dict()
     return max((ours[k] - theirs[k]).abs().max().item() for k in theirs)

@@ -18,19 +18,6 @@ PRECISION = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
 PER_RANK = 2
 
 
-def _everything(model: Any, opt: Any) -> list[torch.Tensor]:
-    """Main shards, compute copies, persistent values and optimizer state: what a skip leaves alone."""
-    out = [u.main_shard.clone() for u in model.units] + [u.compute_shard().clone() for u in model.units]
-    out += [model.persistent.main.clone()]
-    for state in opt.state.values():
-        out += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 def _nan_grad_hook(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
     out.register_hook(lambda g: g * float("nan"))  # backward goes NaN; the loss stays finite
 
@@ -93,28 +80,28 @@ def _run(precision: str, inject: str, limit: int, capture: _Capture) -> dict[str
     def attempt(step: int) -> tuple[str, bool]:
         """A poisoned step: (the NonFiniteError's message or "", whether the state stayed bit-identical)."""
         backward(step, True)
-        before = _everything(model, opt)
+        before = models.shard_state(model, opt)
         try:
             opt.step()
             error = ""
         except NonFiniteError as e:
             error = str(e)
         opt.zero_grad()
-        return error, _same(before, _everything(model, opt))
+        return error, models.same_tensors(before, models.shard_state(model, opt))
 
     out: dict[str, Any] = {}
     backward(0, False)
     opt.step()
     opt.zero_grad()
     ref_step(0)
-    before = _everything(model, opt)
+    before = models.shard_state(model, opt)
     out["first_error"], out["untouched"] = attempt(1)
     out["skipped"] = opt.skipped
     backward(2, False)
     opt.step()  # trains normally again
     opt.zero_grad()
     ref_step(2)
-    out["stepped_after"] = not opt.skipped and not _same(before, _everything(model, opt))
+    out["stepped_after"] = not opt.skipped and not models.same_tensors(before, models.shard_state(model, opt))
     out["param_diff"] = models.max_param_diff(model, ref)
     out["finite"] = all(bool(torch.isfinite(v).all()) for v in model.state_dict().values())
     out["errors"], out["untouched_at_error"], out["scales"] = [], True, []

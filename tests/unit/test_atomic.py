@@ -16,8 +16,6 @@ import torch
 
 import shardpar as smp
 from shardpar.checkpoint import atomic
-from shardpar.optim.optimizer import DistributedOptimizer
-from shardpar.runtime.model import DistributedModel
 from tests import models
 
 
@@ -106,27 +104,6 @@ def test_tag_names_with_dashes_are_restored_whole(tmp_path: Path) -> None:
 # ---- the facade, world 1: save, crash while re-saving the same tag, resume ----------------------
 
 
-def _build(seed: int) -> tuple[DistributedModel, DistributedOptimizer]:
-    torch.manual_seed(seed)
-    model = smp.DistributedModel(models.UnevenMLP())
-    return model, smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-
-
-def _train(model: DistributedModel, opt: DistributedOptimizer, steps: range) -> None:
-    for step in steps:
-        loss = model(**models.mlp_batch(step, 4))
-        model.backward(loss)
-        opt.step()
-        opt.zero_grad()
-
-
-def _state(model: DistributedModel, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    pieces = [p for g in opt.optimizer.param_groups for p in g["params"]]
-    moments = [v.clone() for p in pieces for k, v in sorted(opt.optimizer.state[p].items()) if k != "step"]
-    return {**state, **{f"moment{i}": m for i, m in enumerate(moments)}}
-
-
 def _crash_resave(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save: Callable[[], None]) -> None:
     _crash_on_rename(monkeypatch, call=2)
     with pytest.raises(_Crash):
@@ -139,16 +116,16 @@ def _crash_resave(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save: Callabl
 def test_resume_after_a_crash_between_the_renames_gets_the_previous_checkpoint(
     world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tag: str | None
 ) -> None:
-    model, opt = _build(seed=0)
-    _train(model, opt, range(2))
+    model, opt = models.adamw_mlp(seed=0)
+    models.train_mlp(model, opt, range(2))
     smp.save_checkpoint(tmp_path, "good", model=model, optimizer=opt, user_content={"tag": "good"})
-    saved = _state(model, opt)
-    _train(model, opt, range(2, 4))
+    saved = models.model_and_optimizer_state(model, opt)
+    models.train_mlp(model, opt, range(2, 4))
     _crash_resave(tmp_path, monkeypatch, lambda: smp.save_checkpoint(tmp_path, "good", model=model, optimizer=opt))
 
-    fresh, fresh_opt = _build(seed=7)
+    fresh, fresh_opt = models.adamw_mlp(seed=7)
     assert smp.resume_from_checkpoint(tmp_path, tag) == {"tag": "good"}
-    resumed = _state(fresh, fresh_opt)
+    resumed = models.model_and_optimizer_state(fresh, fresh_opt)
     assert resumed.keys() == saved.keys()
     for k in saved:
         assert torch.equal(resumed[k], saved[k]), f"{k} differs from the previous checkpoint"

@@ -21,7 +21,6 @@ import shardpar as smp
 from shardpar.checkpoint import CheckpointError, checksum, load_consolidated
 from shardpar.checkpoint.safetensors_io import verify_tensors, write_tensors
 from tests import models
-from tests.unit.test_checkpoint_hygiene import _build, _same, _state, _train
 
 # ---- helpers -------------------------------------------------------------------------------------
 
@@ -67,43 +66,45 @@ def _strip_checksums(manifest: Path) -> None:
 def test_a_flipped_tensor_payload_is_refused_naming_file_and_tensor_and_loads_nothing(
     world_of_one: None, tmp_path: Path
 ) -> None:
-    model, opt = _build(seed=0)
-    _train(model, opt, range(2))
+    model, opt = models.adamw_mlp(seed=0)
+    models.train_mlp(model, opt, range(2))
     smp.save_checkpoint(tmp_path, "good", model=model, optimizer=opt)
     shard = tmp_path / "good_partial" / "shard-00000.safetensors"
     key = _largest(shard, "param/")
     _flip(shard, key)
 
-    fresh, fresh_opt = _build(seed=7)
-    before = _state(fresh, fresh_opt)
+    fresh, fresh_opt = models.adamw_mlp(seed=7)
+    before = models.model_and_optimizer_state(fresh, fresh_opt)
     with pytest.raises(CheckpointError, match=rf"shard-00000\.safetensors: tensor '{key}': checksum mismatch"):
         smp.resume_from_checkpoint(tmp_path, "good")
-    assert _same(_state(fresh, fresh_opt), before), "a refused resume changed the model or the optimizer"
+    assert models.same_tensors(models.model_and_optimizer_state(fresh, fresh_opt), before), (
+        "a refused resume changed the model or the optimizer"
+    )
     with pytest.raises(CheckpointError, match=rf"tensor '{key}': checksum mismatch"):
         dict(load_consolidated(tmp_path, "good"))
 
 
 def test_corrupt_optimizer_state_is_caught_and_skipped_when_not_loaded(world_of_one: None, tmp_path: Path) -> None:
-    model, opt = _build(seed=0)
-    _train(model, opt, range(2))
+    model, opt = models.adamw_mlp(seed=0)
+    models.train_mlp(model, opt, range(2))
     smp.save_checkpoint(tmp_path, "good", model=model, optimizer=opt)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     shard = tmp_path / "good_partial" / "shard-00000.safetensors"
     key = _largest(shard, "optim/exp_avg_sq/")
     _flip(shard, key)
 
-    fresh, _ = _build(seed=7)
+    fresh, _ = models.adamw_mlp(seed=7)
     with pytest.raises(CheckpointError, match=rf"tensor '{key}': checksum mismatch"):
         smp.resume_from_checkpoint(tmp_path, "good")
     smp.resume_from_checkpoint(tmp_path, "good", load_optimizer=False)  # the damaged tensor is not read
-    assert _same({k: v.clone() for k, v in fresh.state_dict().items()}, saved)
+    assert models.same_tensors({k: v.clone() for k, v in fresh.state_dict().items()}, saved)
 
 
 def test_a_flipped_full_checkpoint_is_refused_and_the_export_stays_plain_safetensors(
     world_of_one: None, tmp_path: Path
 ) -> None:
-    model, opt = _build(seed=0)
-    _train(model, opt, range(2))
+    model, opt = models.adamw_mlp(seed=0)
+    models.train_mlp(model, opt, range(2))
     smp.save_checkpoint(tmp_path, "full", model=model, partial=False)
     weights = tmp_path / "full" / "model.safetensors"
     manifest = json.loads((tmp_path / "full" / "shardpar_full.json").read_text())
@@ -113,28 +114,32 @@ def test_a_flipped_full_checkpoint_is_refused_and_the_export_stays_plain_safeten
     key = _largest(weights, "blocks.")
     _flip(weights, key)
 
-    fresh, fresh_opt = _build(seed=7)
-    before = _state(fresh, fresh_opt)
+    fresh, fresh_opt = models.adamw_mlp(seed=7)
+    before = models.model_and_optimizer_state(fresh, fresh_opt)
     with pytest.raises(CheckpointError, match=rf"full/model\.safetensors: tensor '{key}': checksum mismatch"):
         smp.resume_from_checkpoint(tmp_path, "full", partial=False)
-    assert _same(_state(fresh, fresh_opt), before), "a refused resume changed the model"
+    assert models.same_tensors(models.model_and_optimizer_state(fresh, fresh_opt), before), (
+        "a refused resume changed the model"
+    )
 
 
 def test_checkpoints_written_before_checksums_still_load(world_of_one: None, tmp_path: Path) -> None:
-    model, opt = _build(seed=0)
-    _train(model, opt, range(2))
+    model, opt = models.adamw_mlp(seed=0)
+    models.train_mlp(model, opt, range(2))
     smp.save_checkpoint(tmp_path, "old", model=model, optimizer=opt)
     smp.save_checkpoint(tmp_path, "oldfull", model=model, partial=False)
-    saved = _state(model, opt)
+    saved = models.model_and_optimizer_state(model, opt)
     _strip_checksums(tmp_path / "old_partial" / "index.json")
     _strip_checksums(tmp_path / "oldfull" / "shardpar_full.json")
 
-    fresh, fresh_opt = _build(seed=7)
+    fresh, fresh_opt = models.adamw_mlp(seed=7)
     smp.resume_from_checkpoint(tmp_path, "old")
-    assert _same(_state(fresh, fresh_opt), saved)
-    other, _ = _build(seed=8)
+    assert models.same_tensors(models.model_and_optimizer_state(fresh, fresh_opt), saved)
+    other, _ = models.adamw_mlp(seed=8)
     smp.resume_from_checkpoint(tmp_path, "oldfull", partial=False)
-    assert _same({k: v.clone() for k, v in other.state_dict().items()}, {k: saved[k] for k in model.state_dict()})
+    assert models.same_tensors(
+        {k: v.clone() for k, v in other.state_dict().items()}, {k: saved[k] for k in model.state_dict()}
+    )
 
 
 @pytest.mark.parametrize(
@@ -145,7 +150,7 @@ def test_checkpoints_written_before_checksums_still_load(world_of_one: None, tmp
     ],
 )
 def test_a_damaged_checksum_table_is_refused(world_of_one: None, tmp_path: Path, damage: object, words: str) -> None:
-    model, opt = _build(seed=0)
+    model, opt = models.adamw_mlp(seed=0)
     smp.save_checkpoint(tmp_path, "t", model=model, optimizer=opt)
     path = tmp_path / "t_partial" / "index.json"
     index = json.loads(path.read_text())
@@ -195,7 +200,7 @@ def test_checkpoints_with_megabyte_tensors_round_trip_through_the_worker_thread(
     torch.manual_seed(1)
     fresh = smp.DistributedModel(models.UnevenMLP(width=600))
     smp.resume_from_checkpoint(tmp_path, "big", partial=partial)
-    assert _same({k: v.clone() for k, v in fresh.state_dict().items()}, saved)
+    assert models.same_tensors({k: v.clone() for k, v in fresh.state_dict().items()}, saved)
     weights = tmp_path / ("big_partial/shard-00000.safetensors" if partial else "big/model.safetensors")
     key = "param/inp.weight" if partial else "inp.weight"
     _flip(weights, key)

@@ -16,39 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 import shardpar as smp
 from shardpar.checkpoint import atomic, load_consolidated
-from shardpar.optim.optimizer import DistributedOptimizer
-from shardpar.runtime.model import DistributedModel
 from tests import models
 
 # ---- helpers -------------------------------------------------------------------------------------
-
-
-def _build(seed: int) -> tuple[DistributedModel, DistributedOptimizer]:
-    torch.manual_seed(seed)
-    model = smp.DistributedModel(models.UnevenMLP())
-    return model, smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-
-
-def _train(model: DistributedModel, opt: DistributedOptimizer, steps: range) -> None:
-    for step in steps:
-        model.backward(model(**models.mlp_batch(step, 4)))
-        opt.step()
-        opt.zero_grad()
-
-
-def _state(model: DistributedModel, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    pieces = [p for g in opt.optimizer.param_groups for p in g["params"]]
-    moments = [v.clone() for p in pieces for k, v in sorted(opt.optimizer.state[p].items()) if k != "step"]
-    return {**state, **{f"moment{i}": m for i, m in enumerate(moments)}}
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ---- resume validates an explicit tag ------------------------------------------------------------
@@ -58,17 +31,17 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_resume_refuses_a_tag_that_leaves_the_checkpoint_root(
     world_of_one: None, tmp_path: Path, partial: bool
 ) -> None:
-    model, opt = _build(seed=0)
+    model, opt = models.adamw_mlp(seed=0)
     smp.save_checkpoint(tmp_path, "outside", model=model, optimizer=opt, partial=partial)
     root = tmp_path / "ckpt"  # "ckpt/../outside" is a real, loadable checkpoint outside `root`
     root.mkdir()
     leftover = root / ".tmp-x-0123456789ab"
     leftover.mkdir()
-    fresh, fresh_opt = _build(seed=7)
-    before = _state(fresh, fresh_opt)
+    fresh, fresh_opt = models.adamw_mlp(seed=7)
+    before = models.model_and_optimizer_state(fresh, fresh_opt)
     with pytest.raises(ValueError, match=r"checkpoint tag '\.\./outside' must be a plain name \(no '/'"):
         smp.resume_from_checkpoint(root, "../outside", partial=partial)
-    assert _same(_state(fresh, fresh_opt), before)
+    assert models.same_tensors(models.model_and_optimizer_state(fresh, fresh_opt), before)
     assert leftover.exists(), "refused before doing anything in the root"
     with pytest.raises(ValueError, match=r"checkpoint tag '\.\./outside' must be a plain name"):
         load_consolidated(root, "../outside")
@@ -159,7 +132,7 @@ def test_a_pointer_being_written_is_not_swept(tmp_path: Path, monkeypatch: pytes
 
 
 def test_the_next_resume_and_the_next_save_remove_crash_leftovers(world_of_one: None, tmp_path: Path) -> None:
-    model, opt = _build(seed=0)
+    model, opt = models.adamw_mlp(seed=0)
     smp.save_checkpoint(tmp_path, "good", model=model, optimizer=opt)
     _crash_leftovers(tmp_path)
     live = tmp_path / ".tmp-other-job-000000000000"

@@ -17,19 +17,6 @@ from tests import models
 from tests.conftest import init_world_of_one
 
 
-def _everything(model: Any, opt: Any) -> list[torch.Tensor]:
-    """Main shards, compute copies (bf16), persistent values and optimizer state."""
-    out = [u.main_shard.clone() for u in model.units] + [u.compute_shard().clone() for u in model.units]
-    out += [model.persistent.main.clone()]
-    for state in opt.state.values():
-        out += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 def _twins() -> tuple[Any, Any, torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = smp.DistributedModel(models.UnevenMLP())
@@ -57,12 +44,14 @@ def test_a_non_finite_loss_skips_the_step_and_training_goes_on(
             poisoned = step == 1
             loss = model(**batch)
             model.backward(BAD_LOSS[bad](loss) if poisoned else loss)
-            before = _everything(model, opt)
+            before = models.shard_state(model, opt)
             with caplog.at_level(logging.WARNING, logger="shardpar"):
                 opt.step()
             opt.zero_grad()
             if poisoned:  # the reference never saw this batch
-                assert opt.skipped and _same(before, _everything(model, opt)), "a skipped step changed state"
+                assert opt.skipped and models.same_tensors(before, models.shard_state(model, opt)), (
+                    "a skipped step changed state"
+                )
                 assert "optimizer step 2 skipped on every rank" in caplog.text, caplog.text
                 assert "non-finite loss in model.backward on ranks [0]" in caplog.text, caplog.text
                 continue
@@ -92,14 +81,14 @@ def test_consecutive_skips_raise_after_the_limit_and_a_clean_step_resets_the_cou
         for pattern in ([True, True, False], [True, True]):  # two skips, a clean step, two skips again
             for bad in pattern:
                 step(bad)
-        before = _everything(model, opt)
+        before = models.shard_state(model, opt)
         with pytest.raises(NonFiniteError) as err:
             step(True)
         message = str(err.value)
         assert "non-finite (nan) at 3 consecutive optimizer steps (steps 4-6)" in message, message
         assert "more than sdp_max_nonfinite_steps=2 allows" in message, message
         assert "those from before optimizer step 4" in message, message
-        assert _same(before, _everything(model, opt))
+        assert models.same_tensors(before, models.shard_state(model, opt))
 
 
 def test_limit_zero_raises_at_the_first_non_finite_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,10 +105,10 @@ def test_limit_zero_raises_at_the_first_non_finite_gradient(monkeypatch: pytest.
         batch = bf16_batch(1)
         batch["x"][2, 3] = float("inf")  # the data, not the loss: the gradients go non-finite in backward
         model.backward(model(**batch))
-        before = _everything(model, opt)
+        before = models.shard_state(model, opt)
         with pytest.raises(NonFiniteError, match=r"at 1 consecutive optimizer steps \(step 2\), more than "):
             opt.step()
-        assert _same(before, _everything(model, opt))
+        assert models.same_tensors(before, models.shard_state(model, opt))
 
 
 def test_the_knob_is_validated() -> None:
@@ -144,13 +133,13 @@ def test_an_empty_batch_is_refused_by_smp_step_naming_the_rank(
             return loss
 
         batch = models.mlp_batch(0, 4)
-        before = _everything(model, opt)
+        before = models.shard_state(model, opt)
         empty = {k: v[:0] for k, v in batch.items()}
         with pytest.raises(
             ValueError, match=r"rank 0: @smp.step got an empty batch: argument 1\['x'\] has shape \(0, 13\)"
         ):
             train_step(model, empty)
-        assert _same(before, _everything(model, opt)) and model.window.num_backward == 0
+        assert models.same_tensors(before, models.shard_state(model, opt)) and model.window.num_backward == 0
         train_step(model, batch)  # a real batch still trains
         opt.step()
-        assert not _same(before, _everything(model, opt))
+        assert not models.same_tensors(before, models.shard_state(model, opt))
