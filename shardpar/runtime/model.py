@@ -184,11 +184,10 @@ class DistributedModel(nn.Module):
         plain PyTorch leaves its .grad None, so SGD momentum and AdamW weight decay skip it. Shards
         only see zeros, so the ranks agree on per-parameter "got a gradient" flags -- folded into
         the persistent-gradient AllReduce over the rdp group, no extra collective."""
-        holders: list[Unit | PersistentParams] = [*self.units, self.persistent]
-        flags = [float(b) for h in holders for b in h.grad_used]
-        agreed = self.persistent.finish_accumulation(torch.tensor(flags, device=self.device)).tolist()
-        params = [p for h in holders for p in h.params]
-        self.unused_params = {id(p) for p, seen in zip(params, agreed, strict=True) if seen == 0.0}
+        state = self.sharded_state
+        flags = torch.tensor([float(b) for b in state.grad_used()], device=self.device)
+        agreed = self.persistent.finish_accumulation(flags).tolist()
+        self.unused_params = {id(p.param) for p, seen in zip(state.pieces, agreed, strict=True) if seen == 0.0}
 
     def reset_grad_usage(self) -> None:
         self.sharded_state.reset_grad_usage()

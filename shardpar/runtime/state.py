@@ -114,30 +114,32 @@ class ShardedState:
 
     def clear_grads(self, *, set_to_none: bool) -> None:
         """Drop (set_to_none) or zero every main grad."""
-        holders: list[Unit | PersistentParams] = [*self._units, self._persistent]
-        for holder in holders:
+        for holder in self._holders():
             if set_to_none:
                 holder.main_grad = None
             elif holder.main_grad is not None:
                 holder.main_grad.zero_()
 
+    def grad_used(self) -> list[bool]:
+        """Whether each piece's parameter got a gradient in this window, in `pieces` order ([Note:
+        unused params] in model.py)."""
+        return [b for holder in self._holders() for b in holder.grad_used]
+
     def reset_grad_usage(self) -> None:
         """Forget which parameters got a gradient ([Note: unused params] in model.py)."""
-        holders: list[Unit | PersistentParams] = [*self._units, self._persistent]
-        for holder in holders:
+        for holder in self._holders():
             holder.grad_used = [False] * len(holder.params)
+
+    def _holders(self) -> list[Unit | PersistentParams]:
+        """The units, then the persistent set: the order of `pieces`."""
+        return [*self._units, self._persistent]
 
     # ---- full values --------------------------------------------------------------------------
 
     def gather_unit(self, index: int) -> torch.Tensor | None:
         """Unit `index`'s full flat fp32 main values, padded (one AllGather over the sharding group);
         a piece's parameter is at [offset, offset + numel). None for a unit without elements."""
-        unit = self._units[index]
-        if unit.layout.numel == 0:
-            return None
-        full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
-        self.engine.all_gather(full, unit.main_shard, unit.comm.sharding)
-        return full
+        return self._units[index].gather_main()
 
     def persistent_main(self) -> torch.Tensor:
         """The persistent parameters' flat fp32 main values (the same on every rank); no copy."""

@@ -354,12 +354,20 @@ class Unit:
 
     # ---- full values -------------------------------------------------------------------------
 
-    def full_params(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the unit at full size (cloned, fp32), gathered from the main shards."""
+    def gather_main(self) -> torch.Tensor | None:
+        """The unit's full flat fp32 main values, padded (one AllGather over the sharding group); a
+        parameter is at [offset, offset + numel). None for a unit without elements."""
         if self.layout.numel == 0:
-            return {}
+            return None
         full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
         self.comm.engine.all_gather(full, self.main_shard, self.comm.sharding)
+        return full
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the unit at full size (cloned, fp32), gathered from the main shards."""
+        full = self.gather_main()
+        if full is None:
+            return {}
         return {s.fqn: full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in self.layout.specs}
 
     def load_full_params(self, values: dict[str, torch.Tensor]) -> None:
