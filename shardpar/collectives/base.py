@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -225,3 +227,54 @@ def pack_spans(output: torch.Tensor, spans: Sequence[Span], group: Group) -> tor
             buffer[at : at + span.numel()].copy_(span)
             at += span.numel()
     return buffer
+
+
+class FutureWork:
+    """A step run on an engine's own thread (the smddp worker, the native engine's chain thread);
+    `wait` re-raises its error, or TimeoutError.
+
+    By default `wait` allows twice the engine's timeout plus 10 s, counted from the call to `wait`:
+    inside the step every shm wait already has the engine's timeout and fails naming the missing
+    peer, and that error (raised here) is the useful one. This deadline is the backstop for a
+    worker that stopped making progress at all. `explain` turns a failure into the error to raise
+    (the engine's: it names the rank that failed first); without it the step's error is raised."""
+
+    def __init__(
+        self,
+        future: Future[None],
+        timeout_s: float,
+        op: str = "collective",
+        group: Group | None = None,
+        explain: Callable[[BaseException, bool], BaseException] | None = None,
+        engine: str = "smddp",
+    ) -> None:
+        self._future, self._timeout_s, self._op, self._group = future, timeout_s, op, group
+        self._explain, self._engine = explain, engine
+
+    def wait(self, timeout: float | None = None) -> None:
+        seconds = 2 * self._timeout_s + 10 if timeout is None else timeout
+        # Not future.result(timeout): its TimeoutError is the builtin one (Python >= 3.11), which the
+        # step's own ShmTimeoutError subclasses, so catching it would hide the transport's message.
+        done, _ = futures.wait([self._future], timeout=seconds)
+        if not done:
+            where = f" on {self._group.kind} group {list(self._group.ranks)}" if self._group is not None else ""
+            stuck = TimeoutError(
+                f"{self._engine} {self._op}{where} did not finish within {seconds:g} s of waiting for it "
+                f"(collective_timeout_s={self._timeout_s:g}); look for an earlier error on another rank, or raise "
+                "collective_timeout_s if the ranks are only slow"
+            )
+            if self._explain is None:
+                raise stuck
+            raise self._explain(stuck, True)
+        error = self._future.exception()
+        if error is None:
+            return
+        if self._explain is None:
+            raise error
+        explained = self._explain(error, False)
+        if explained is error:
+            raise error
+        raise explained from error
+
+    def is_completed(self) -> bool:
+        return self._future.done()

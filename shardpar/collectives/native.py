@@ -8,8 +8,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from shardpar.collectives.base import (
     CompletedWork,
+    FutureWork,
     Group,
     ReduceOp,
     Span,
@@ -99,28 +99,6 @@ class _AllOf:
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
-
-
-class _ChainWork:
-    """A step on the native engine's chain thread. Inside it every collective already carries the
-    engine's timeout; the default deadline here (twice that, plus 10 s) is the backstop."""
-
-    def __init__(self, future: Future[None], timeout_s: float, group: Group) -> None:
-        self._future, self._timeout_s, self._group = future, timeout_s, group
-
-    def wait(self, timeout: float | None = None) -> None:
-        seconds = 2 * self._timeout_s + 10 if timeout is None else timeout
-        # futures.wait, not result(timeout): the step's own TimeoutError must not pass for the backstop's.
-        if not futures.wait([self._future], timeout=seconds).done:
-            raise TimeoutError(
-                f"chained all_gather on {self._group.kind} group {list(self._group.ranks)} did not finish "
-                f"within {seconds:g} s of waiting for it (collective_timeout_s="
-                f"{self._timeout_s:g}); look for an earlier error on another rank"
-            )
-        self._future.result()  # the step's own error, if it failed
-
-    def is_completed(self) -> bool:
-        return self._future.done()
 
 
 class _EventWork:
@@ -255,7 +233,7 @@ class NativeEngine:
 
         if self._chain is None:
             self._chain = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpar-chain")
-        return _ChainWork(self._chain.submit(step), self.timeout_s, group)
+        return FutureWork(self._chain.submit(step), self.timeout_s, "chained all_gather", group, engine="native")
 
     def _chain_on_stream(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, after: Work, then: Callable[[], None] | None

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from shardpar.collectives import shm
 from shardpar.collectives.base import (
     CompletedWork,
+    FutureWork,
     Group,
     ReduceOp,
     Span,
@@ -59,7 +60,7 @@ from shardpar.collectives.failures import CollectiveError, CollectiveTimeoutErro
 from shardpar.collectives.hierarchical import HierarchicalSteps, hierarchical_all_gather
 from shardpar.collectives.native import NativeEngine
 from shardpar.collectives.smddp_job import _agree_on_job, _split_by_node, segment_key
-from shardpar.collectives.smddp_work import SmddpOptions, SmddpWork
+from shardpar.collectives.smddp_work import SmddpOptions
 
 _REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -152,7 +153,7 @@ class SmddpEngine:
                 raise explained from error
             return CompletedWork()
         self._last = self._worker.submit(fn)
-        work = SmddpWork(self._last, self.options.timeout_s, op, group, explain)
+        work = FutureWork(self._last, self.options.timeout_s, op, group, explain)
         if async_op:
             return work
         work.wait()
