@@ -62,7 +62,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler(1.0)
         self.overflow = False  # fp16: the last step overflowed (and was skipped)
         self.skipped = False  # the last step was skipped (fp16 overflow, or non-finite in bf16/fp32)
-        limit = model.config.sdp_max_nonfinite_steps if max_nonfinite_steps is None else max_nonfinite_steps
+        limit = model.shardpar_config.sdp_max_nonfinite_steps if max_nonfinite_steps is None else max_nonfinite_steps
         self.nonfinite_guard = NonFiniteGuard(limit)
         self.num_steps = 0  # step() calls that got past the window check, skipped ones included
         model.window.set_loss_scale(self.loss_scaler.loss_scale)

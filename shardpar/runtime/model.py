@@ -69,7 +69,9 @@ class DistributedModel(nn.Module):
         if config.delayed_parameter_initialization:
             check_nothing_materialised(module, premade=premade)
         self.module = module
-        self.config = config
+        # Not `config`: that name is the wrapped model's own (HF code reads and sets model.config.use_cache;
+        # __getattr__ forwards it to the module).
+        self.shardpar_config = config
         self.topology = topology
         self.engine = engine
         self.unused_params: set[int] = set()  # ids of params without a gradient in the last window
@@ -123,7 +125,7 @@ class DistributedModel(nn.Module):
     # ---- construction -------------------------------------------------------------------------
 
     def _split_persistent(self, plans: list[UnitPlan]) -> list[tuple[str, nn.Parameter]]:
-        threshold = self.config.sdp_param_persistence_threshold
+        threshold = self.shardpar_config.sdp_param_persistence_threshold
         persistent = []
         for up in plans:
             keep = [(n, p) for n, p in up.params if p.numel() < threshold]
@@ -134,7 +136,7 @@ class DistributedModel(nn.Module):
     def _build_units(self, plans: list[UnitPlan], materialize: Callable[[nn.Parameter], torch.Tensor]) -> list[Unit]:
         node, cross = self.topology.groups["sharding_node"], self.topology.groups["sharding_cross"]
         hierarchical = (
-            self.config.sdp_hierarchical_allgather
+            self.shardpar_config.sdp_hierarchical_allgather
             and self.topology.plan.spans_nodes
             and node.size > 1
             and cross.size > 1
