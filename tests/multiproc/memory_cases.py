@@ -200,3 +200,29 @@ def hf_checkpointing_cap_case(use_reentrant: bool) -> dict[str, Any]:
         "gathers": gathers,  # per unit, over the 2 steps
         "final_live": model.live.live,
     }
+
+
+def gloo_gather_temp_case(numel: int, chunk_bytes: int) -> dict[str, Any]:
+    """One native (gloo) AllGather of `numel` fp32 elements per rank into an output already touched,
+    with GLOO_GATHER_CHUNK_BYTES = chunk_bytes: the RSS peak above the RSS before the call, and whether
+    every rank's block arrived bit for bit."""
+    import torch.distributed as dist
+
+    from shardpar.collectives import Group, NativeEngine
+    from shardpar.collectives import native as native_engine
+
+    _apply_mmap_threshold()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = Group("world", tuple(range(world)), dist.group.WORLD)
+    shard = torch.arange(numel, dtype=torch.float32) + rank * numel
+    output = torch.full((world * numel,), -1.0)
+    saved = native_engine.GLOO_GATHER_CHUNK_BYTES
+    native_engine.GLOO_GATHER_CHUNK_BYTES = chunk_bytes
+    try:
+        phase = Phase()
+        NativeEngine(timeout_s=60).all_gather(output, shard, group)
+        peak = phase.end()["peak"]
+    finally:
+        native_engine.GLOO_GATHER_CHUNK_BYTES = saved
+    exact = bool(torch.equal(output, torch.arange(world * numel, dtype=torch.float32)))
+    return {"peak": peak, "exact": exact, "output_bytes": output.numel() * 4}

@@ -59,3 +59,18 @@ def test_hf_checkpointing_recomputes_within_the_cap(ranks, use_reentrant: bool) 
         assert r["final_live"] == 0, r
         layers = {name: n for name, n in r["gathers"].items() if ".layers." in name}
         assert len(layers) == 2 and set(layers.values()) == {4}, r  # 2 steps x (forward + backward)
+
+
+def test_gloo_gather_stages_through_chunks_not_a_copy_of_its_output(ranks) -> None:
+    """gloo's AllGather copies through a temporary as large as its output ([Note: gloo's gather
+    temporary], native.py): in chunks of 4 MiB the transient is at most two chunks (one per gloo worker
+    thread) instead of a second 64 MiB output; the gathered bytes are the same."""
+    numel = 8 << 20  # 32 MiB per rank, a 64 MiB output at 2 ranks
+    for chunked, whole in zip(
+        ranks.run(2, cases.gloo_gather_temp_case, numel, 4 * MIB, env=ENV),
+        ranks.run(2, cases.gloo_gather_temp_case, numel, 1 << 40, env=ENV),  # one call: the old path
+        strict=True,
+    ):
+        assert chunked["exact"] and whole["exact"], (chunked, whole)
+        assert whole["peak"] >= 0.9 * whole["output_bytes"], whole  # the temporary this test is about
+        assert chunked["peak"] <= 2 * 4 * MIB + SLACK, chunked
