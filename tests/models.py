@@ -60,6 +60,27 @@ def tiny_neox(seed: int = 0) -> nn.Module:
     return GPTNeoXForCausalLM(cfg)
 
 
+# 32 x 32768 = 2**20 elements: at sharding/plan.py's OWN_UNIT_NUMEL, so the embeddings and the LM
+# head are units of their own ([Note: large modules outside the blocks]); the layers stay tiny.
+WIDE_VOCAB = 32768
+
+
+def neox_wide_vocab(seed: int = 0) -> nn.Module:
+    """tiny_neox's layers with a vocabulary wide enough for embedding and LM-head units."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GPTNeoXConfig(
+        vocab_size=WIDE_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+    )  # fmt: skip
+    return GPTNeoXForCausalLM(cfg)
+
+
+def wide_vocab_batch(seed: int, n: int) -> dict[str, torch.Tensor]:
+    return lm_batch(seed, n, vocab=WIDE_VOCAB)
+
+
 def tiny_gpt2_tied(seed: int = 0) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 

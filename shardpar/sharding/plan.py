@@ -1,8 +1,22 @@
 """Splitting a model into units and assigning every parameter an owner (pure module walking).
 
 Default units: each child of a repeated `nn.ModuleList` (HF `model.layers`, `gpt_neox.layers`,
-`transformer.h`, ...), outermost lists only, plus the root for everything else. `wrap` overrides
-the choice with module classes (a class list that matches nothing is an error) or a predicate.
+`transformer.h`, ...), outermost lists only; each large module outside them ([Note: large modules
+outside the blocks]); and the root for everything else. `wrap` overrides the choice with module
+classes (a class list that matches nothing is an error) or a predicate.
+
+[Note: large modules outside the blocks]
+The root unit stays gathered from the start of forward to the end of backward: its parameters are
+used at both ends of the pass (embeddings first, the LM head last) and the root's forward spans the
+whole model. With untied input and output embeddings that is 2 x vocab x hidden elements (77M of a
+162M-parameter GPT-NeoX, 206M of a 1B one) alive through the whole step on top of every unit that
+computes, beside the sharded state, and dominating the peak (issue 19). So with the default units,
+a module outside the blocks that itself holds at least OWN_UNIT_NUMEL parameter elements (an
+`nn.Embedding`, an LM head) becomes a unit of its own and is gathered only around its own forward
+and backward, like a block. Smaller modules (final layer norm, biases: below the default
+sdp_param_persistence_threshold they are not even sharded) stay in the root. A module whose parameter
+another module also uses (tied input and output embeddings) stays in the root too: both users would
+hold it anyway, and the root is what keeps it alive between them.
 """
 
 from __future__ import annotations
@@ -69,12 +83,21 @@ def _class_predicate(root: nn.Module, wrap: object) -> Callable[[nn.Module], boo
     return lambda m: isinstance(m, classes)
 
 
+# Parameter elements a module outside the blocks holds itself to become a unit of its own
+# ([Note: large modules outside the blocks]); the default sdp_param_persistence_threshold.
+OWN_UNIT_NUMEL = 1_000_000
+
+
 def choose_unit_modules(root: nn.Module, wrap: WrapPolicy) -> list[tuple[str, nn.Module]]:
     """(FQN, module) of every non-root unit, outermost first, in module order."""
     if wrap is None:
         lists = [(n, m) for n, m in root.named_modules() if _is_repeated_list(m)]
         outer = [(n, m) for n, m in lists if not any(n.startswith(o + ".") for o, _ in lists if o != n)]
-        return [(f"{n}.{i}", c) for n, m in outer for i, c in enumerate(m.children())]
+        blocks = [(f"{n}.{i}", c) for n, m in outer for i, c in enumerate(m.children())]
+        if not blocks:
+            return []
+        order = {id(m): i for i, (_, m) in enumerate(root.named_modules())}
+        return sorted(blocks + _large_modules_outside(root, blocks), key=lambda nm: order[id(nm[1])])
     # A class is callable too, but it means [cls]: calling it as a predicate would build a module.
     predicate = wrap if callable(wrap) and not isinstance(wrap, (type, Iterable)) else _class_predicate(root, wrap)
     chosen: list[tuple[str, nn.Module]] = []
@@ -85,6 +108,22 @@ def choose_unit_modules(root: nn.Module, wrap: WrapPolicy) -> list[tuple[str, nn
             continue  # nested inside a chosen unit: part of it
         chosen.append((name, m))
     return chosen
+
+
+def _large_modules_outside(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Modules outside and around no block that hold >= OWN_UNIT_NUMEL parameter elements themselves,
+    none of them shared with another module ([Note: large modules outside the blocks])."""
+    uses: Counter[int] = Counter(id(p) for m in root.modules() for p in m.parameters(recurse=False))
+    taken = [n for n, _ in blocks]
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in root.named_modules():
+        if m is root or any(name == t or name.startswith(t + ".") or t.startswith(name + ".") for t in taken):
+            continue  # in a block or a chosen module, or around one
+        own = list(m.parameters(recurse=False))
+        if sum(p.numel() for p in own) >= OWN_UNIT_NUMEL and all(uses[id(p)] == 1 for p in own):
+            found.append((name, m))
+            taken.append(name)
+    return found
 
 
 def plan_units(root: nn.Module, wrap: WrapPolicy) -> list[UnitPlan]:

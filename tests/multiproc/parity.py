@@ -19,6 +19,8 @@ BUILDERS = {
     "mlp": (lambda: _seeded(models.UnevenMLP), models.mlp_batch),
     "neox": (models.tiny_neox, models.lm_batch),
     "gpt2_tied": (models.tiny_gpt2_tied, models.lm_batch),
+    # embeddings and LM head as units of their own (sharding/plan.py)
+    "neox_wide_vocab": (models.neox_wide_vocab, models.wide_vocab_batch),
 }
 
 
@@ -51,7 +53,7 @@ def _param_groups(model: nn.Module) -> list[dict[str, Any]]:
 
 def run_parity(
     model_name: str, knobs: dict[str, Any], *, steps: int = 3, accum: int = 1, per_rank: int = 2, clip: float = 0.05
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Train both ways; return the max abs differences (losses, params) and whether clipping bit."""
     build, make_batch = BUILDERS[model_name]
     smp.init({**knobs, "sdp_gradient_clipping": clip})
@@ -95,12 +97,13 @@ def run_parity(
             "param": param_diff,
             "clipped": float(clipped),
             "sharded_units": float(len(model.units)),
+            "unit_names": [u.name for u in model.units],
             "all_sharded": float(model.all_sharded()),
         }
     finally:
         smp.shutdown()
 
 
-def run_many(cases: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[dict[str, float]]:
+def run_many(cases: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
     """Several parity cases in one spawn (each re-inits shardpar)."""
     return [run_parity(name, knobs, **kw) for name, knobs, kw in cases]

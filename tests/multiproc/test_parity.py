@@ -23,6 +23,7 @@ CASES: dict[int, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {
         ("neox", {**SHARD, "sharded_data_parallel_degree": 2}, {"accum": 2}),
         ("gpt2_tied", {**SHARD, "sharded_data_parallel_degree": 2}, {}),
         ("mlp", {"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, {"clip": 0.0}),
+        ("neox_wide_vocab", {**SHARD, "sharded_data_parallel_degree": 2}, {"accum": 2}),
     ],
     4: [
         ("mlp", {**SHARD, "sharded_data_parallel_degree": 4}, {}),
@@ -31,6 +32,7 @@ CASES: dict[int, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {
         ("neox", {**SHARD, "sharded_data_parallel_degree": 4}, {}),
         ("gpt2_tied", {**SHARD, "sharded_data_parallel_degree": 2}, {"accum": 2}),
         ("mlp", {**SHARD, "sharded_data_parallel_degree": 1}, {}),
+        ("neox_wide_vocab", {**SHARD, "sharded_data_parallel_degree": 4}, {"accum": 2}),
     ],
     8: [
         ("mlp", {**SHARD, "sharded_data_parallel_degree": 8}, {}),
@@ -52,6 +54,8 @@ def test_parity_with_single_process(ranks, world: int) -> None:
         assert result["sharded_units"] >= 2, f"{label}: nothing was sharded"
         if kw.get("clip", 0.05) > 0:
             assert result["clipped"] == 1.0, f"{label}: clipping never engaged; lower the clip"
+        if name == "neox_wide_vocab":  # the embedding and the LM head trained as units of their own
+            assert {"gpt_neox.embed_in", "lm_head"} <= set(result["unit_names"]), f"{label}: {result['unit_names']}"
     # every rank sees the same final parameters (the state_dict is gathered)
     for other in per_rank[1:]:
         assert [r["param"] for r in other] == pytest.approx([r["param"] for r in per_rank[0]], abs=1e-7)

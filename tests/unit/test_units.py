@@ -116,3 +116,42 @@ def test_a_parameter_with_exactly_threshold_elements_is_sharded(threshold: int) 
         assert [s.fqn for u in model.units for s in u.layout.specs] == ["at", "above"]
     finally:
         smp.shutdown()
+
+
+def test_large_modules_outside_the_blocks_become_units_of_their_own() -> None:
+    """[Note: large modules outside the blocks] (sharding/plan.py): untied embeddings and LM head of at
+    least OWN_UNIT_NUMEL elements are units, in forward order around the blocks; smaller ones, tied
+    ones and models without repeated blocks keep them in the root."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from shardpar.sharding.plan import OWN_UNIT_NUMEL
+    from tests.models import tiny_neox
+
+    def neox(vocab: int, layers: int = 2) -> nn.Module:
+        cfg = GPTNeoXConfig(
+            vocab_size=vocab, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=256,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        with torch.device("meta"):
+            return GPTNeoXForCausalLM(cfg)
+
+    big = OWN_UNIT_NUMEL // 64  # vocab x hidden 64 = exactly OWN_UNIT_NUMEL
+    units = plan_units(neox(big), None)
+    assert [u.name for u in units] == ["", "gpt_neox.embed_in", "gpt_neox.layers.0", "gpt_neox.layers.1", "lm_head"]
+    assert [fqn for fqn, _ in units[1].params] == ["gpt_neox.embed_in.weight"]
+    assert [fqn for fqn, _ in units[-1].params] == ["lm_head.weight"]
+    assert [fqn for fqn, _ in units[0].params] == ["gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"]
+    # one element short: they stay in the root
+    assert [u.name for u in plan_units(neox(big - 1), None)] == ["", "gpt_neox.layers.0", "gpt_neox.layers.1"]
+    # no repeated blocks (a list of one layer): only the root, as before
+    assert [u.name for u in plan_units(neox(big, layers=1), None)] == [""]
+    # tied input and output embeddings (GPT-2): both users stay in the root
+    with torch.device("meta"):
+        gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=big, n_embd=64, n_layer=2, n_head=4, n_positions=32))
+    assert [u.name for u in plan_units(gpt2, None)] == ["", "transformer.h.0", "transformer.h.1"]
+    # the test models keep their units (embeddings far below the threshold)
+    assert [u.name for u in plan_units(tiny_neox(), None)] == ["", "gpt_neox.layers.0", "gpt_neox.layers.1"]
+    # an explicit wrap= is the user's choice: nothing is added to it
+    assert [u.name for u in plan_units(neox(big), lambda m: type(m).__name__ == "GPTNeoXLayer")] == [
+        "", "gpt_neox.layers.0", "gpt_neox.layers.1",
+    ]  # fmt: skip
