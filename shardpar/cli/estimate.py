@@ -1,32 +1,26 @@
 """`shardpar estimate`: per-device memory of a sharded training job, and the smallest sharding degree
 that fits. Pure arithmetic on the model's *unit* sizes -- the same units, persistence split and
-padding that `DistributedModel` builds (sharding/plan.py, sharding/layout.py) -- so model-state bytes match what a
-run keeps alive (tests/multiproc/test_recipe.py compares them with live tensors).
+padding that `DistributedModel` builds (sharding/plan.py, sharding/layout.py) -- walked through one
+training step the way the runtime allocates (memory_model.py): the figure is the step's peak.
 
 Per device, with S = this rank's sharded elements (sum over units of ceil(numel / tp / sdp)) and
 P = persistent elements (numel < sdp_param_persistence_threshold, whole on every rank):
 
     model states   (4 main + c compute copy [mixed only] + 4 main grad + k optimizer) x (S + P)
-    gathered       c x live elements: the root unit (gathered through forward) + the current unit
-                   + the prefetched next one while under sdp_max_live_parameters
-    unit grads     c x (root + largest unit): autograd grads before they are reduce-scattered
-    reduce bucket  r x min(all, sdp_reduce_bucket_size + largest unit)
-    activations    the tensors autograd saves per layer (see `_activations`), after Korthikanti et
+    gathered       c x the units the scheduler holds gathered (root, current, prefetched), sdp > 1
+    activations    the tensors autograd saves per layer (see `activation_bytes`), after Korthikanti et
                    al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2,
-                   without dropout: c*s*b*h*(4 + 12/t) bytes, plus with eager attention the s x s
-                   scores a*s*s*b/t x (4 fp32 softmax + c compute copy when mixed). Flash/SDPA
-                   attention stores no scores. Checked against the bytes a tiny GPT-NeoX really
-                   saves for backward (tests/unit/test_estimate.py).
-                   Checkpointing keeps each layer's input (c*sbh) plus one layer being recomputed;
-                   offloading moves the kept inputs to host memory (two stay in flight).
-                   Logits: b*s*V/t elements x (c logits + c grad + 4 fp32 loss working set).
+                   without dropout; the logits and the loss's working set
+    gradients      a unit's full gradients until they reach the reduce bucket; the bucket
+                   (sdp_reduce_bucket_size elements); the main gradients reduced so far
     framework      fixed: CUDA context, NCCL/SMDDP buffers, allocator slack (GPU); interpreter,
-                   torch and transformers (CPU)
+                   torch, transformers and gloo (CPU, measured)
 
-Peak = model states + framework + gathered + unit grads + kept activations + the larger working set:
-the logits at the end of forward, or one layer's recompute plus the reduce bucket in backward. Model states are
-exact for a given layout; the activation terms count a GPT-NeoX-style layer (4h GeLU MLP) and are
-estimates for other layers.
+The peak is the largest sum over the step's moments (memory_model.py). Model states are exact for a
+given layout; the activation terms count a GPT-NeoX-style layer (4h GeLU MLP) and are estimates for
+other layers. The CPU figures are checked against the per-rank VmHWM of real runs, within 10 %
+(tests/unit/test_estimate.py): they assume freed memory goes back to the OS (MALLOC_MMAP_THRESHOLD_,
+docs/performance.md "Memory"); glibc's defaults keep freed blocks in a fragmented heap on top.
 """
 
 from __future__ import annotations
@@ -36,10 +30,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shardpar.cli import memory_model as mm
 from shardpar.cli.model_shape import (  # re-exported: the CLI and tests read them from here
     REFERENCE_MODELS,
     ModelShape,
     reference_shape,
+    shape_from_dims,
     shape_from_hf_config,
     shape_from_module,
     shape_from_num_params,
@@ -49,6 +45,7 @@ __all__ = [
     "REFERENCE_MODELS",
     "ModelShape",
     "reference_shape",
+    "shape_from_dims",
     "shape_from_hf_config",
     "shape_from_module",
     "shape_from_num_params",
@@ -75,7 +72,12 @@ DEVICES = {
     "a10g-24gb": 24 * GiB,
 }
 GPU_FRAMEWORK_BYTES = 2 * GiB
-CPU_FRAMEWORK_BYTES = GiB // 2
+# A CPU rank before its model exists: Python, torch, transformers, a gloo process group (measured
+# 344 MiB with torch 2.13 and transformers 5.24, benchmarks/bench_memory.py "baseline").
+CPU_FRAMEWORK_BYTES = 350 * 2**20
+# What a CPU training step adds to that for good: library code first run by forward, backward and
+# the optimizer (libtorch_cpu.so's resident pages grow by ~22 MiB, /proc/self/smaps).
+CPU_STEP_CODE_BYTES = 24 * 2**20
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0}
 
@@ -98,6 +100,11 @@ class Setup:
     reduce_bucket_size: int = int(5e8)
     device: str = "a100-40gb"  # a DEVICES key or "cpu"
     device_bytes: int | None = None  # overrides the device's capacity
+    framework_bytes: int | None = None  # overrides the framework term (a measured baseline)
+    replicas: int = 1  # sharding groups side by side (rdp = sdp x replicas)
+    # CPU: glibc's MALLOC_MMAP_THRESHOLD_ (bytes); freed blocks below it stay with the process
+    mmap_threshold: int = 1 << 20
+    engine: str = "smddp"  # on CPU: "smddp" (ddp_dist_backend auto) or "native" (gloo)
 
     def __post_init__(self) -> None:
         if self.precision not in DTYPE_BYTES:
@@ -113,6 +120,8 @@ class Setup:
         for name in ("sdp", "tp", "batch", "seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.engine not in ("smddp", "native"):
+            raise ValueError(f"engine={self.engine!r} is not 'smddp' or 'native'")
 
     @property
     def capacity(self) -> int | None:
@@ -123,13 +132,17 @@ class Setup:
 
 @dataclass(frozen=True)
 class Estimate:
+    """The step's peak, by part (`parts` sums to `total`); `peak_at` names the moment."""
+
     shape: ModelShape
     setup: Setup
     parts: dict[str, int] = field(default_factory=dict)
+    peak_at: str = ""
+    model_state_bytes: int = 0  # every model state at full size, gradients included
 
     @property
     def model_states(self) -> int:
-        return sum(v for k, v in self.parts.items() if k.startswith("model states"))
+        return self.model_state_bytes
 
     @property
     def total(self) -> int:
@@ -184,44 +197,129 @@ REFERENCE_ROWS = (
 # ---- the estimate --------------------------------------------------------------------------------
 
 
-def estimate(shape: ModelShape, setup: Setup) -> Estimate:
+def _states(shape: ModelShape, setup: Setup) -> dict[str, int]:
+    """Every model state but the gradients, at full size."""
     c = DTYPE_BYTES[setup.precision]
-    r = DTYPE_BYTES[setup.reduce_dtype]
-    units = [math.ceil(n / setup.tp) for n in shape.unit_numels]  # TP splits every sharded unit
-    sharded = sum(math.ceil(n / setup.sdp) for n in units)
-    p = shape.persistent_numel
-    mixed = c != 4
-    parts = {
-        "model states: fp32 main parameters": 4 * (sharded + p),
-        "model states: compute-dtype copies": c * (sharded + p) if mixed else 0,
-        "model states: fp32 gradients": 4 * (sharded + p),
-        "model states: optimizer state": OPTIMIZER_STATE_BYTES[setup.optimizer] * (sharded + p),
+    n = _sharded(shape, setup) + shape.persistent_numel
+    return {
+        "model states: fp32 main parameters": 4 * n,
+        "model states: compute-dtype copies": c * n if c != 4 else 0,
+        "model states: optimizer state": OPTIMIZER_STATE_BYTES[setup.optimizer] * n,
         "model states: buffers": shape.buffer_bytes,
     }
-    root, layers = (units[0], units[1:]) if units else (0, [])
-    biggest = max(layers, default=0)
-    parts["gathered units"] = c * _peak_live(root, layers, setup.max_live_parameters)
-    parts["unit gradients"] = c * (root + biggest)
-    bucket = r * min(sum(units), setup.reduce_bucket_size + max(units, default=0))
-    kept, working, logits = _activations(shape, setup, c)
-    parts["activations kept for backward"] = kept
-    parts["working set: max(logits, layer + bucket)"] = max(logits, working + bucket)
-    parts["framework"] = CPU_FRAMEWORK_BYTES if setup.device == "cpu" else GPU_FRAMEWORK_BYTES
-    return Estimate(shape, setup, parts)
 
 
-def _peak_live(root: int, layers: list[int], cap: int) -> int:
-    """The scheduler's peak: root + current unit, plus the next unit when that stays under the cap."""
-    peak = root
-    for i, n in enumerate(layers):
-        nxt = layers[i + 1] if i + 1 < len(layers) else 0
-        live = root + n
-        peak = max(peak, live + nxt if live + nxt <= cap else live)
-    return peak
+def _sharded(shape: ModelShape, setup: Setup) -> int:
+    return sum(math.ceil(math.ceil(n / setup.tp) / setup.sdp) for n in shape.unit_numels)
 
 
-def _activations(shape: ModelShape, setup: Setup, c: int) -> tuple[int, int, int]:
-    """(bytes kept across the whole pass, one layer's working set, logits working set).
+def _framework(setup: Setup) -> int:
+    """The process before its model exists (given, or this device's), and on CPU the code a step runs."""
+    if setup.device != "cpu":
+        return GPU_FRAMEWORK_BYTES if setup.framework_bytes is None else setup.framework_bytes
+    base = CPU_FRAMEWORK_BYTES if setup.framework_bytes is None else setup.framework_bytes
+    return base + CPU_STEP_CODE_BYTES
+
+
+def step_inputs(shape: ModelShape, setup: Setup) -> mm.StepInputs:
+    """The walk's inputs for this job (memory_model.py): bytes per unit and per state."""
+    c, r = DTYPE_BYTES[setup.precision], DTYPE_BYTES[setup.reduce_dtype]
+    cpu, sdp = setup.device == "cpu", setup.sdp
+    numels = [math.ceil(n / setup.tp) for n in shape.unit_numels]  # TP splits every sharded unit
+    padded = [mm.ceil_to(n, sdp) for n in numels]
+    gathered = [c * p if sdp > 1 else 0 for p in padded]
+    small = shape.persistent_per_unit
+    units = tuple(
+        mm.UnitBytes(
+            kind=kind,
+            gathered=g,
+            scratch=mm.gather_scratch(g, c * p // sdp, cpu=cpu, smddp=setup.engine == "smddp"),
+            grads=r * p,
+            shard=r * p // sdp,
+            numel=p,
+            persistent_grads=c * q,
+        )
+        for kind, g, p, q in zip(shape.kinds[1:], gathered[1:], padded[1:], small[1:], strict=True)
+    )
+    kept, work, logits = activation_bytes(shape, setup)
+    retained = _retained_by_heap(shape, setup) if cpu else 0
+    piece = math.ceil(math.ceil(shape.max_tensor_numel / setup.tp) / sdp)
+    n = _sharded(shape, setup) + shape.persistent_numel
+    return mm.StepInputs(
+        states=sum(_states(shape, setup).values()) + _framework(setup),
+        main_grads=4 * n,
+        root_persistent_grads=c * small[0] if small else 0,
+        persistent_payload=r * shape.persistent_numel if sdp * setup.replicas > 1 else 0,
+        root_gathered=gathered[0] if numels else 0,
+        root_numel=padded[0] if numels else 0,
+        units=units,
+        cap=setup.max_live_parameters,
+        bucket_numel=setup.reduce_bucket_size,
+        in_place=cpu and sdp > 1 and setup.engine == "smddp",
+        layer_kept=kept,
+        layer_work=work,
+        logits=logits,
+        # torch's AdamW: per tensor on CPU (a sqrt and a quotient of the largest piece), foreach on CUDA
+        optimizer_temp=2 * 4 * piece if cpu else 4 * n,
+        layer_retained=min(retained, kept),
+    )
+
+
+def _retained_by_heap(shape: ModelShape, setup: Setup) -> int:
+    """The bytes of one layer's saved activations in tensors below the mmap threshold (see
+    `activation_bytes` for the tensors): s*b*h-sized ones (layer-norm, projection and attention
+    inputs, Q, K, V: 4 + 4/t of them) and 4h-wide ones (the GeLU's input and output: 2)."""
+    c = DTYPE_BYTES[setup.precision]
+    narrow = c * setup.seq * setup.batch * shape.hidden
+    t = setup.tp
+    kept = 0
+    if narrow < setup.mmap_threshold:
+        kept += int(narrow * (4 + 4 / t))
+    if 4 * narrow / t < setup.mmap_threshold:
+        kept += int(narrow * 8 / t)
+    return kept
+
+
+_PART_LABELS = {
+    "gathered": "gathered units",
+    "gather scratch": "gather scratch (gloo)",
+    "activations": "activations and logits",
+    "unit gradients": "unit gradients",
+    "reduce bucket": "reduce bucket",
+    "optimizer temporaries": "optimizer temporaries",
+}
+
+
+def estimate(shape: ModelShape, setup: Setup) -> Estimate:
+    """The step's peak per device, broken into its parts at that moment (memory_model.py)."""
+    states = _states(shape, setup)
+    moment = mm.peak(step_inputs(shape, setup))
+    parts = dict(states)
+    parts["model states: fp32 gradients"] = moment.parts.get("main gradients", 0)
+    for key, label in _PART_LABELS.items():
+        parts[label] = moment.parts.get(key, 0)
+    parts["framework"] = _framework(setup)
+    full = sum(states.values()) + 4 * (_sharded(shape, setup) + shape.persistent_numel)
+    return Estimate(shape, setup, parts, peak_at=moment.where, model_state_bytes=full)
+
+
+def floor(shape: ModelShape, setup: Setup) -> int:
+    """Issue 19's analytical floor: the framework + every model state at full size (sharded
+    parameters, gradients, optimizer state) + the largest set of units the scheduler holds gathered
+    under the live cap + one reduce bucket + every layer's activations and the logits. A sum of
+    terms that a step does not all hold at once: a floor for the peak's composition, not a bound."""
+    x = step_inputs(shape, setup)
+    units = list(x.units)
+    live = max((mm.gathered_at(x, units, i)[0] for i in range(len(units))), default=x.root_gathered)
+    total_numel = sum(u.numel for u in units) + x.root_numel
+    bucket = DTYPE_BYTES[setup.reduce_dtype] * min(setup.reduce_bucket_size, total_numel)
+    layers = shape.kinds.count("block")
+    return x.states + x.main_grads + live + bucket + layers * x.layer_kept + x.logits
+
+
+def activation_bytes(shape: ModelShape, setup: Setup) -> tuple[int, int, int]:
+    """(bytes one layer keeps for backward, one layer's working set while it recomputes, the logits
+    and the loss's working set).
 
     What one layer saves for backward, in bytes (Korthikanti et al. eq. 2 with tp = t and no sequence
     parallelism; c = bytes per activation; counts in s*b*h elements):
@@ -237,18 +335,23 @@ def _activations(shape: ModelShape, setup: Setup, c: int) -> tuple[int, int, int
     Face keeps 4 + c bytes per score (6 in bf16; 4 in fp32, where the paper scaled to 4 bytes gives 10).
     Measured (tests/unit/test_estimate.py): GPT-NeoX's two layer norms share one input (parallel
     residual) while SDPA also keeps its output, so the count holds within a few percent.
+    With checkpointing a layer keeps its input (c sbh) and recomputes the rest in its backward;
+    offloading moves the kept inputs to host memory, two of them in flight.
+    Logits: b*s*V/t elements x (c logits + c grad + 4 fp32 loss working set).
     """
+    c = DTYPE_BYTES[setup.precision]
     s, b, h, t = setup.seq, setup.batch, shape.hidden, setup.tp
-    a, layers = max(1, shape.num_heads), shape.num_layers
+    a = max(1, shape.num_heads)
     sbh = s * b * h
     score_bytes = 4 + (c if c < 4 else 0)
     scores = 0.0 if setup.flash_attention else a * s * s * b / t * score_bytes
     per_layer = int(sbh * c * (4 + 12 / t) + scores)
     logits = int(s * b * math.ceil(shape.vocab / t) * (2 * c + 4))
     if not setup.activation_checkpointing:
-        return layers * per_layer, 0, logits
-    kept_inputs = (min(2, layers) if setup.activation_offloading else layers) * sbh * c
-    return kept_inputs, per_layer, logits
+        return per_layer, 0, logits
+    if setup.activation_offloading:
+        return 0, per_layer + 2 * sbh * c, logits
+    return sbh * c, per_layer, logits
 
 
 # ---- recommendations -----------------------------------------------------------------------------
@@ -303,7 +406,7 @@ def tp_from_global_batch(world: int, global_batch: int, batch: int, accum: int =
 
 def format_estimate(est: Estimate) -> str:
     cap = est.setup.capacity
-    lines = [f"  {k:42s} {v / GiB:9.2f} GiB" for k, v in est.parts.items() if v]
+    lines = [f"  peak: {est.peak_at}"] + [f"  {k:42s} {v / GiB:9.2f} GiB" for k, v in est.parts.items() if v]
     verdict = "" if cap is None else f" of {cap / GiB:.1f} GiB -> {'fits' if est.fits else 'does NOT fit'}"
     lines.append(f"  {'total per device':42s} {est.total / GiB:9.2f} GiB{verdict}")
     return "\n".join(lines)

@@ -19,13 +19,31 @@ class ModelShape:
     num_layers: int
     num_heads: int
     vocab: int
-    unit_numels: tuple[int, ...]  # sharded elements per unit, root first
+    unit_numels: tuple[int, ...]  # sharded elements per unit, root first, then in forward order
     persistent_numel: int
     buffer_bytes: int = 0
+    # Per unit: "root", "block" (a repeated layer: saves activations), "embedding" (a large module
+    # before the blocks) or "head" (after them; its forward makes the logits). Empty: root + blocks.
+    unit_kinds: tuple[str, ...] = ()
+    max_tensor_numel: int = 0  # the largest sharded parameter (the optimizer's largest piece x sdp)
+    # Per unit, its persistent elements (their gradients appear in its backward). Empty: all in the root.
+    unit_persistent: tuple[int, ...] = ()
 
     @property
     def num_params(self) -> int:
         return sum(self.unit_numels) + self.persistent_numel
+
+    @property
+    def persistent_per_unit(self) -> tuple[int, ...]:
+        if self.unit_persistent:
+            return self.unit_persistent
+        return (self.persistent_numel,) + (0,) * (len(self.unit_numels) - 1)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        if self.unit_kinds:
+            return self.unit_kinds
+        return ("root",) + ("block",) * (len(self.unit_numels) - 1)
 
 
 # The models of reference 003's "Reference configurations" as GPT-NeoX config fields. 20B is
@@ -50,18 +68,27 @@ def reference_shape(name: str, *, persistence_threshold: int = int(1e6)) -> Mode
 
 def shape_from_module(module: Any, *, name: str = "model", persistence_threshold: int = int(1e6)) -> ModelShape:
     """Exact unit sizes of an `nn.Module` (may live on the meta device), as DistributedModel splits it."""
+    from torch import nn
+
     from shardpar.sharding.plan import plan_units
 
     units = plan_units(module, None)
-    unit_numels, persistent = [], 0
-    for up in units:
+    modules = dict(module.named_modules())
+    unit_numels, kinds, smalls, largest = [], [], [], 0
+    seen_block = False
+    for i, up in enumerate(units):
         small = sum(p.numel() for _, p in up.params if p.numel() < persistence_threshold)
-        persistent += small
+        smalls.append(small)
         unit_numels.append(sum(p.numel() for _, p in up.params) - small)
+        largest = max([largest, *(p.numel() for _, p in up.params if p.numel() >= persistence_threshold)])
+        parent = modules.get(up.name.rpartition(".")[0])
+        block = i > 0 and isinstance(parent, nn.ModuleList)
+        seen_block = seen_block or block
+        kinds.append("root" if i == 0 else "block" if block else "head" if seen_block else "embedding")
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())
     cfg = getattr(module, "config", None)
-    dims = _dims_of(cfg) if cfg is not None else (0, len(units) - 1, 1, 0)
-    return ModelShape(name, *dims, tuple(unit_numels), persistent, buffers)
+    dims = _dims_of(cfg) if cfg is not None else (0, kinds.count("block"), 1, 0)
+    return ModelShape(name, *dims, tuple(unit_numels), sum(smalls), buffers, tuple(kinds), largest, tuple(smalls))
 
 
 def shape_from_hf_config(config: Any, *, name: str | None = None, persistence_threshold: int = int(1e6)) -> ModelShape:
@@ -96,13 +123,8 @@ def shape_from_num_params(
     if num_layers is None:
         num_layers = _depth_for(n, hidden, vocab)
     h = hidden
-    root = (vocab * h, vocab * h, h, h)  # embeddings, LM head, final layer norm
-    # (weight, bias) of the QKV projection, the output projection, MLP up and MLP down; two layer norms
-    layer = (3 * h * h, 3 * h, h * h, h, 4 * h * h, 4 * h, 4 * h * h, h, h, h, h, h)
-    units = (root,) + (layer,) * num_layers
-    sharded = tuple(sum(t for t in unit if t >= persistence_threshold) for unit in units)
-    persistent = sum(t for unit in units for t in unit if t < persistence_threshold)
-    shape = ModelShape("", h, num_layers, num_heads or max(1, h // 128), vocab, sharded, persistent)
+    threshold = persistence_threshold
+    shape = shape_from_dims(h, num_layers, vocab=vocab, num_heads=num_heads, persistence_threshold=threshold)
     if abs(shape.num_params - n) > 0.1 * n:  # a derived width is rounded to 128: a few percent off at most
         raise ValueError(
             f"num_params={n:.3g} with hidden={h}, num_layers={num_layers}, vocab={vocab} describes "
@@ -111,6 +133,33 @@ def shape_from_num_params(
             f"{shape.num_params:.3g}"
         )
     return replace(shape, name=f"{shape.num_params / 1e9:.1f}B params")
+
+
+def shape_from_dims(
+    hidden: int, num_layers: int, *, vocab: int = 50304, num_heads: int | None = None,
+    persistence_threshold: int = int(1e6),
+) -> ModelShape:  # fmt: skip
+    """GPT-NeoX's layout (untied embeddings, a 4 x hidden MLP) from its dimensions, split into units as
+    DistributedModel splits it (sharding/plan.py): an embedding or LM head holding at least
+    OWN_UNIT_NUMEL elements is a unit of its own, else it stays in the root with the final layer norm.
+    Arithmetic only (no model is built); tests/unit/test_estimate.py checks it against the real model."""
+    from shardpar.sharding.plan import OWN_UNIT_NUMEL
+
+    h = hidden
+    # (weight, bias) of the QKV projection, the output projection, MLP up and MLP down; two layer norms
+    layer = (3 * h * h, 3 * h, h * h, h, 4 * h * h, 4 * h, 4 * h * h, h, h, h, h, h)
+    own = vocab * h >= OWN_UNIT_NUMEL
+    root: tuple[int, ...] = (h, h) + (() if own else (vocab * h, vocab * h))  # final layer norm (+ embeddings)
+    units = [root, *([(vocab * h,)] if own else []), *([layer] * num_layers), *([(vocab * h,)] if own else [])]
+    kinds = ("root", *(["embedding"] if own else []), *(["block"] * num_layers), *(["head"] if own else []))
+    if num_layers < 2:  # a list of one layer is not a repeated block: one unit, the root
+        units, kinds = [tuple(t for unit in units for t in unit)], ("root",)
+    sharded = tuple(sum(t for t in unit if t >= persistence_threshold) for unit in units)
+    smalls = tuple(sum(t for t in unit if t < persistence_threshold) for unit in units)
+    largest = max((t for unit in units for t in unit if t >= persistence_threshold), default=0)
+    heads = num_heads or max(1, h // 128)
+    shape = ModelShape("", h, num_layers, heads, vocab, sharded, sum(smalls), 0, kinds, largest, smalls)
+    return replace(shape, name=f"GPT-NeoX {h} x {num_layers}, vocab {vocab}")
 
 
 def _depth_for(n: float, hidden: int, vocab: int) -> int:

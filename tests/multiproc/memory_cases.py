@@ -202,6 +202,41 @@ def hf_checkpointing_cap_case(use_reentrant: bool) -> dict[str, Any]:
     }
 
 
+# GPT-NeoX 25M (bench_memory.py's "25m": hidden 512, 8 layers, vocab 1024 -- its embeddings are below
+# the persistence threshold, so they stay whole in the root): the size the suite measures live.
+NEOX_25M = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 2048}
+NEOX_25M_VOCAB, NEOX_SEQ = 1024, 128
+
+
+def estimate_live_case(sdp: int, *, steps: int = 2) -> dict[str, Any]:
+    """Train NEOX_25M under delayed initialisation at `sdp` (AdamW, fp32, batch 1 x 128, bucket 5e7) and
+    read this rank's RSS from outside: the RSS before the model is built (the estimator's framework
+    term here: the pool's process, whatever earlier cases left in it) and the VmHWM from then on."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    _apply_mmap_threshold()
+    smp.init({"sharded_data_parallel_degree": sdp, "sdp_reduce_bucket_size": int(5e7)})
+    cfg = GPTNeoXConfig(
+        vocab_size=NEOX_25M_VOCAB, max_position_embeddings=NEOX_SEQ, use_cache=False, tie_word_embeddings=False,
+        hidden_dropout=0.0, attention_dropout=0.0, **NEOX_25M,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    start = Phase()
+    with smp.delay_param_initialization():
+        module = GPTNeoXForCausalLM(cfg)
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    g = torch.Generator().manual_seed(smp.rank())
+    for _ in range(steps):
+        ids = torch.randint(0, NEOX_25M_VOCAB, (1, NEOX_SEQ), generator=g)
+        model.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad()
+    peak = start.end()["peak"]
+    del model, opt, module
+    return {"baseline": start.base, "peak": start.base + peak}
+
+
 def gloo_gather_temp_case(numel: int, chunk_bytes: int) -> dict[str, Any]:
     """One native (gloo) AllGather of `numel` fp32 elements per rank into an output already touched,
     with GLOO_GATHER_CHUNK_BYTES = chunk_bytes: the RSS peak above the RSS before the call, and whether

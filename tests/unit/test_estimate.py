@@ -32,6 +32,7 @@ def test_reference_models_have_their_sizes(neox20b: est.ModelShape, neox65b: est
     assert neox20b.num_params == 20_554_567_680  # EleutherAI GPT-NeoX-20B
     # root (final layer norm), input embeddings, one unit per layer, LM head (sharding/plan.py)
     assert neox20b.num_layers == 44 and len(neox20b.unit_numels) == 47
+    assert neox20b.kinds == ("root", "embedding", *["block"] * 44, "head")
     assert 65.0e9 < neox65b.num_params < 65.5e9
 
 
@@ -59,37 +60,38 @@ def test_65b_rows_need_tensor_parallelism_and_fit_with_offloading(neox65b: est.M
         assert not est.estimate(neox65b, row.setup(activation_checkpointing=False, activation_offloading=False)).fits
     row = est.REFERENCE_ROWS[2]
     # at the row's sdp 16 and mini-batch 8: no fit without tensor parallelism, with or without offloading;
-    # tp 4 fits only with offloading
-    for tp in (1, 2):
-        for offload in (False, True):
-            assert not est.estimate(neox65b, row.setup(tp=tp, activation_offloading=offload)).fits
-    assert est.estimate(neox65b, row.setup(tp=4)).fits
-    assert not est.estimate(neox65b, row.setup(tp=4, activation_offloading=False)).fits
+    # at tp 4 offloading the checkpointed inputs saves most of the activations (the rest is model state)
+    for offload in (False, True):
+        assert not est.estimate(neox65b, row.setup(tp=1, activation_offloading=offload)).fits
+    kept = est.estimate(neox65b, row.setup(tp=4, activation_offloading=False))
+    offloaded = est.estimate(neox65b, row.setup(tp=4))
+    assert offloaded.fits and offloaded.total < 0.7 * kept.total
 
 
 def test_activation_formula_counts_each_saved_tensor() -> None:
-    """No checkpointing, eager attention, tp 1, bf16: L x (16 c sbh + (4 + c) a s s b) + logits."""
+    """No checkpointing, eager attention, tp 1, bf16: per layer 16 c sbh + (4 + c) a s s b; logits."""
     shape = est.shape_from_num_params(8.1e8, hidden=2048, num_layers=16, num_heads=16, vocab=1000)
     setup = est.Setup(batch=2, seq=512, precision="bf16", flash_attention=False, device="cpu")
     s, b, h, a, c = 512, 2, 2048, 16, 2
     per_layer = s * b * h * c * 16 + a * s * s * b * (4 + c)
     logits = s * b * 1000 * (2 + 2 + 4)
-    parts = est.estimate(shape, setup).parts
-    assert parts["activations kept for backward"] == per_layer * 16
-    bucket = 4 * min(sum(shape.unit_numels), int(5e8) + max(shape.unit_numels))
-    assert parts["working set: max(logits, layer + bucket)"] == max(logits, bucket)
+    assert est.activation_bytes(shape, setup) == (per_layer, 0, logits)
     # fp32: the softmax is kept once (no compute-dtype copy)
-    fp32 = est.estimate(shape, replace(setup, precision="fp32")).parts["activations kept for backward"]
-    assert fp32 == (s * b * h * 4 * 16 + a * s * s * b * 4) * 16
+    fp32 = est.activation_bytes(shape, replace(setup, precision="fp32"))[0]
+    assert fp32 == s * b * h * 4 * 16 + a * s * s * b * 4
     # tensor parallelism without sequence parallelism: c sbh (4 + 12/t) + scores / t
-    tp2 = est.estimate(shape, replace(setup, tp=2)).parts["activations kept for backward"]
-    assert tp2 == (s * b * h * c * (4 + 6) + a * s * s * b * (4 + c) // 2) * 16
+    tp2 = est.activation_bytes(shape, replace(setup, tp=2))[0]
+    assert tp2 == s * b * h * c * (4 + 6) + a * s * s * b * (4 + c) // 2
     # checkpointing keeps each layer's input (c sbh bytes) and recomputes one layer at a time
-    ckpt = est.estimate(shape, replace(setup, activation_checkpointing=True)).parts
-    assert ckpt["activations kept for backward"] == 16 * s * b * h * c
-    assert ckpt["working set: max(logits, layer + bucket)"] == max(logits, per_layer + bucket)
-    offload = est.estimate(shape, replace(setup, activation_checkpointing=True, activation_offloading=True)).parts
-    assert offload["activations kept for backward"] == 2 * s * b * h * c  # two layer inputs in flight
+    ckpt = replace(setup, activation_checkpointing=True)
+    assert est.activation_bytes(shape, ckpt) == (s * b * h * c, per_layer, logits)
+    # offloading keeps nothing on the device but two layer inputs in flight
+    offload = replace(ckpt, activation_offloading=True)
+    assert est.activation_bytes(shape, offload) == (0, per_layer + 2 * s * b * h * c, logits)
+    # the walk holds every layer's activations and the logits at the end of forward
+    x = est.step_inputs(shape, setup)
+    end_of_forward = [m for m in est.mm.walk(x) if m.where.startswith("forward")][-1]
+    assert end_of_forward.parts["activations"] == 16 * per_layer + logits
 
 
 # ---- activations measured: what autograd really saves in one forward of the tiny GPT-NeoX --------
@@ -158,7 +160,8 @@ def test_activation_estimate_matches_saved_tensors_of_tiny_neox(
         batch=batch, seq=seq, precision=precision, activation_checkpointing=checkpointing,
         flash_attention=attention == "sdpa", device="cpu",
     )  # fmt: skip
-    estimated = est.estimate(est.shape_from_hf_config(config), setup).parts["activations kept for backward"]
+    shape = est.shape_from_hf_config(config)
+    estimated = shape.num_layers * est.activation_bytes(shape, setup)[0]
     assert abs(estimated - measured) <= 0.10 * measured, (
         f"estimate {estimated:,} B vs {measured:,} B saved ({estimated / measured - 1:+.1%})"
     )
@@ -215,11 +218,15 @@ def test_cli_reads_a_hugging_face_config_json(tmp_path: Path, capsys: pytest.Cap
     assert main([*argv, "--batch", "4", "--seq", "2048", "--precision", "fp32"]) == 0
     out = capsys.readouterr().out
     assert f"config: {num_params:,} parameters, 6 layers, hidden 1024" in out, out
-    # activations: 6 layers x 16 x 4 bytes x s b h; model states: 16 bytes per parameter (fp32 AdamW)
+    # model states: 16 bytes per parameter (fp32 AdamW), every one whole at sdp 1
     lines = out.splitlines()
-    activations = 6 * 16 * 4 * 2048 * 4 * 1024
-    assert f"  {'activations kept for backward':42s} {activations / est.GiB:9.2f} GiB" in lines, out
     assert f"  {'model states: fp32 main parameters':42s} {4 * num_params / est.GiB:9.2f} GiB" in lines, out
+    assert f"  {'model states: optimizer state':42s} {8 * num_params / est.GiB:9.2f} GiB" in lines, out
+    # the peak is the LM head's backward: 6 layers x 16 x 4 bytes x s b h of activations
+    # kept, and the logits (12 bytes per element in fp32)
+    assert "  peak: backward of unit 8 (head)" in lines, out
+    activations = 6 * 16 * 4 * 2048 * 4 * 1024 + 2048 * 4 * 32000 * 12
+    assert f"  {'activations and logits':42s} {activations / est.GiB:9.2f} GiB" in lines, out
     # a directory holding config.json works too, and recommends a degree on a device with a capacity
     assert main(["estimate", "--hf-config", str(tmp_path), "--device", "a100-40gb", "--gpus", "8"]) == 0
     assert "smallest sharded_data_parallel_degree that fits: 1" in capsys.readouterr().out
@@ -270,3 +277,22 @@ def test_cli_says_plainly_when_no_alternative_fits(capsys: pytest.CaptureFixture
     assert main(["estimate", "--params", "20e9", "--nodes", "1"]) == 1
     out = capsys.readouterr().out
     assert "other choices" not in out and "nothing fits on 8 x a100-40gb" in out, out
+
+
+SHAPES = [(512, 8, 1024), (768, 12, 50304), (1024, 36, 50304), (2048, 3, 50304), (256, 1, 8192)]
+
+
+@pytest.mark.parametrize(("hidden", "layers", "vocab"), SHAPES)
+def test_gpt_neox_shape_from_dims_is_the_models_own(hidden: int, layers: int, vocab: int) -> None:
+    """The arithmetic shape (bench_memory.py's sizes, the capacity family, one layer) equals the units
+    DistributedModel would build from the real model on the meta device (sharding/plan.py)."""
+    from transformers import GPTNeoXConfig
+
+    config = GPTNeoXConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64, intermediate_size=4 * hidden,
+        vocab_size=vocab, tie_word_embeddings=False,
+    )  # fmt: skip
+    real = est.shape_from_hf_config(config)
+    dims = est.shape_from_dims(hidden, layers, vocab=vocab, num_heads=hidden // 64)
+    fields = ("unit_numels", "persistent_numel", "kinds", "max_tensor_numel", "persistent_per_unit")
+    assert {f: getattr(dims, f) for f in fields} == {f: getattr(real, f) for f in fields}
