@@ -21,6 +21,7 @@ from shardpar.api.step import StepOptions, StepOutput, make_step
 from shardpar.optim.loss_scaling import make_loss_scaler
 from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
 from shardpar.runtime.model import DistributedModel as _DistributedModel
+from shardpar.runtime.model import refuse_nested
 from shardpar.sharding.deferred_init import deferred_init
 from shardpar.sharding.plan import WrapPolicy
 from shardpar.tensor_parallel.layers import TPLayer, tp_split_table
@@ -47,7 +48,6 @@ _V1_MODEL_ARGS: dict[str, tuple[tuple[type, ...], str]] = {
     "trace_memory_usage": ((bool,), "true or false"),
     "overlapping_allreduce": ((bool,), "true or false"),
     "bucket_cap_mb": ((int, float), "a number of MB > 0"),
-    "broadcast_buffers": ((bool,), "true or false"),
     "gradient_as_bucket_view": ((bool,), "true or false"),
 }
 
@@ -57,7 +57,8 @@ def _check_v1_model_args(args: dict[str, Any]) -> None:
         if name not in _V1_MODEL_ARGS:
             raise TypeError(
                 f"smp.DistributedModel got an unexpected keyword argument {name!r}; it takes backward_passes_per_step, "
-                f"wrap, tensor_parallelism, average_grads_across_microbatches and v1's {sorted(_V1_MODEL_ARGS)}"
+                f"wrap, tensor_parallelism, average_grads_across_microbatches, broadcast_buffers and v1's "
+                f"{sorted(_V1_MODEL_ARGS)}"
             )
         types, valid = _V1_MODEL_ARGS[name]
         ok = isinstance(value, types) and (not isinstance(value, bool) or bool in types)
@@ -73,6 +74,7 @@ def DistributedModel(
     wrap: WrapPolicy = None,
     tensor_parallelism: bool = False,
     average_grads_across_microbatches: bool = True,
+    broadcast_buffers: bool = True,
     **v1_args: Any,
 ) -> _DistributedModel:
     """Shard `module` over the sharding group (reference 003); returns the wrapped model.
@@ -81,9 +83,13 @@ def DistributedModel(
     Face model's blocks and embeddings are first split in place over the TP group; each TP rank then
     shards its local parameters inside its sharding group (docs/tensor_parallelism.md).
     `average_grads_across_microbatches=False` sums the micro-batches' gradients under `@smp.step`
-    (SMP v1; for a loss that sums over samples). SMP v1's tracer and DDP arguments (`trace_device`,
-    `overlapping_allreduce`, `bucket_cap_mb`, ...) are accepted and change nothing.
+    (SMP v1; for a loss that sums over samples). `broadcast_buffers` (SMP v1 / DDP): rank 0's buffers
+    reach every data-parallel rank at wrapping and before each forward that records a graph
+    (runtime/buffers.py); False leaves each rank's own. SMP v1's tracer and DDP arguments
+    (`trace_device`, `overlapping_allreduce`, `bucket_cap_mb`, ...) are accepted and change nothing.
     """
+    if not isinstance(broadcast_buffers, bool):
+        raise ValueError(f"smp.DistributedModel(broadcast_buffers={broadcast_buffers!r}): must be True or False")
     _check_v1_model_args(v1_args)
     if not isinstance(average_grads_across_microbatches, bool):
         raise ValueError(
@@ -92,6 +98,7 @@ def DistributedModel(
     st = state()
     if isinstance(module, _DistributedModel):
         raise ValueError("the module is already a DistributedModel; wrap the plain module once")
+    refuse_nested(module)  # before any collective reads its (sharded) parameters
     check_same_model(module, st.topology.group("world"))
     module = prepare_tensor_parallel(
         module,
@@ -113,6 +120,8 @@ def DistributedModel(
         premade=[p for m in module.modules() if isinstance(m, TPLayer) for p in m.parameters()],
         average_grads_across_microbatches=average_grads_across_microbatches,
         find_optimizer=lambda: st.optimizer,
+        tp_splits=tp_split_table(module) if st.topology.tp.size > 1 else None,
+        broadcast_buffers=broadcast_buffers,
     )
     st.model = model
     return model

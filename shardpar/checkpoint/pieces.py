@@ -20,6 +20,7 @@ from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.placement import Cut
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
+from shardpar.runtime.sharded_tensor import ShardedTensor
 from shardpar.runtime.state_dict import persistent_buffers as module_persistent_buffers
 from shardpar.tensor_parallel.layers import tp_split_table
 
@@ -95,7 +96,7 @@ def buffer_shape_problems(buffers: Mapping[str, torch.Tensor], saved: Mapping[st
     ]
 
 
-def piece_of(optimizer: DistributedOptimizer, p: nn.Parameter) -> nn.Parameter | None:
+def piece_of(optimizer: DistributedOptimizer, p: nn.Parameter) -> torch.Tensor | None:
     return optimizer.main_piece(p)
 
 
@@ -103,6 +104,8 @@ def split_state(slot: Slot, state: dict[str, Any]) -> tuple[dict[str, torch.Tens
     """(per-element tensors, JSON scalars) of one piece's optimizer state."""
     per_element, scalars = {}, {}
     for k, v in state.items():
+        if isinstance(v, ShardedTensor):  # state of an optimizer that steps the user parameters
+            v = v.local_piece
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             if tuple(v.shape) != slot.shape:
                 raise ValueError(

@@ -19,24 +19,32 @@ from torch.utils.hooks import RemovableHandle
 from shardpar.collectives import Engine
 from shardpar.config import Config
 from shardpar.precision import DtypePolicy
+from shardpar.runtime.buffers import BufferSync
+from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
 from shardpar.runtime.materialize import Materializer, check_nothing_materialised
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer, plan_buckets
 from shardpar.runtime.schedule import LiveCounter, Scheduler
+from shardpar.runtime.sharded_tensor import ShardComm, ShardedTensor
 from shardpar.runtime.state import ShardedState
 from shardpar.runtime.state_dict import (
+    TPLayout,
     forget_inner_missing,
     load_full_state_dict,
     load_nested,
+    local_param_shapes,
     nested_state_dict,
+    persistent_buffers,
 )
 from shardpar.runtime.unit import Unit
 from shardpar.runtime.unit_comm import UnitComm
+from shardpar.runtime.user_params import UserParams
 from shardpar.runtime.window import AccumulationWindow
 from shardpar.sharding.layout import flat_layout
 from shardpar.sharding.plan import UnitPlan, WrapPolicy, plan_units
+from shardpar.sharding.tp_split import TPSplit
 from shardpar.topology import Topology
 
 _Registered = dict[int, list[nn.Parameter]]
@@ -59,6 +67,8 @@ class DistributedModel(nn.Module):
         premade: Collection[nn.Parameter] = (),
         average_grads_across_microbatches: bool = True,
         find_optimizer: Callable[[], Any] = lambda: None,
+        tp_splits: Mapping[str, TPSplit] | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         self.window = AccumulationWindow(  # validates backward_passes_per_step first
@@ -66,6 +76,7 @@ class DistributedModel(nn.Module):
         )
         self._find_optimizer = find_optimizer  # for post-partition hooks (the facade's optimizer)
         self._post_partition_hooks: OrderedDict[int, Callable[[Any, Any], None]] = OrderedDict()  # weakref-able
+        refuse_nested(module)
         if config.delayed_parameter_initialization:
             check_nothing_materialised(module, premade=premade)
         self.module = module
@@ -83,8 +94,9 @@ class DistributedModel(nn.Module):
         materialize = Materializer(module, self.device)
         materialize.buffers()
         plans = plan_units(module, wrap)
+        persistent, unit_of_persistent = self._split_persistent(plans)
         self.persistent = PersistentParams(
-            self._split_persistent(plans),
+            persistent,
             engine=engine,
             rdp=topology.rdp,
             compute_dtype=self.policy.compute,
@@ -108,6 +120,16 @@ class DistributedModel(nn.Module):
         )
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         self._link_dependencies(plans, registered or {})
+        self.user_params = UserParams(
+            module,
+            self.sharded_state,
+            self.units,
+            self.persistent,
+            unit_of_persistent=unit_of_persistent,
+            comm=ShardComm(engine, topology.sharding, topology.tp),
+            tp_splits=tp_splits,
+            tp_rank=topology.coords.tp_rank,
+        )
         self._hooks = ModelHooks(
             module,
             self.units,
@@ -116,22 +138,38 @@ class DistributedModel(nn.Module):
             reducer=self.reducer,
             window=self.window,
             unit_of_param=self._unit_of_param,
+            user_params=self.user_params,
             on_window_end=self._agree_on_unused_params,
+            on_backward_end=self._publish_grads,
+            on_forward_start=self._on_forward_start,
         )
         self._hooks.install()
+        self._tp = TPLayout(tp_splits, engine, topology.tp, topology.tp.rank_of(topology.rank)) if tp_splits else None
+        self._full_hooks = FullStateDictHooks(module, self.sharded_state.full_values, self._tp)
+        wrap_save_pretrained(
+            module, is_rank0=topology.rank == 0, barrier=lambda: engine.barrier(topology.group("world"))
+        )
+        self.buffer_sync = BufferSync(
+            list(persistent_buffers(module).values()) if broadcast_buffers else [], engine=engine, group=topology.rdp
+        )
+        self.buffer_sync.sync()
         self._nested_prefix: str | None = None  # set while a parent's load_state_dict passes through
         self.register_load_state_dict_post_hook(DistributedModel._forget_inner_missing)
 
     # ---- construction -------------------------------------------------------------------------
 
-    def _split_persistent(self, plans: list[UnitPlan]) -> list[tuple[str, nn.Parameter]]:
+    def _split_persistent(self, plans: list[UnitPlan]) -> tuple[list[tuple[str, nn.Parameter]], dict[int, int]]:
+        """Take the persistent parameters out of the unit plans: (name, param) pairs, and the index of
+        the unit each came from (its modules hold it, runtime/user_params.py)."""
         threshold = self.shardpar_config.sdp_param_persistence_threshold
-        persistent = []
-        for up in plans:
+        persistent: list[tuple[str, nn.Parameter]] = []
+        unit_of: dict[int, int] = {}
+        for i, up in enumerate(plans):
             keep = [(n, p) for n, p in up.params if p.numel() < threshold]
             persistent.extend(keep)
+            unit_of.update((id(p), i) for _, p in keep)
             up.params = [(n, p) for n, p in up.params if p.numel() >= threshold]
-        return persistent
+        return persistent, unit_of
 
     def _build_units(self, plans: list[UnitPlan], materialize: Callable[[nn.Parameter], torch.Tensor]) -> list[Unit]:
         node, cross = self.topology.groups["sharding_node"], self.topology.groups["sharding_cross"]
@@ -190,6 +228,27 @@ class DistributedModel(nn.Module):
         flags = torch.tensor([float(b) for b in state.grad_used()], device=self.device)
         agreed = self.persistent.finish_accumulation(flags).tolist()
         self.unused_params = {id(p.param) for p, seen in zip(state.pieces, agreed, strict=True) if seen == 0.0}
+
+    def _on_forward_start(self) -> None:
+        """The root's forward starts: main values a plain optimizer wrote reach the compute copies, and
+        the rdp group's first rank's buffers reach every rank of it (runtime/buffers.py)."""
+        self.sharded_state.refresh_stale()
+        self.buffer_sync.sync()
+
+    def _publish_grads(self, boundary: bool) -> None:
+        """After each backward: the user parameters' .grad view the main grads ([Note: user gradients],
+        user_params.py); at the end of a window, None for the parameters no rank got a gradient for."""
+        self.user_params.publish_grads(self.unused_params if boundary else ())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) the gradients of the open window, as `optimizer.zero_grad()` does: the main
+        grads behind the user parameters' .grad, and the window's count of backward passes."""
+        self.window.reset()
+        self.nonfinite_losses.zero_()
+        if set_to_none:
+            self.reset_grad_usage()
+            self.user_params.clear_grads()
+        self.sharded_state.clear_grads(set_to_none=set_to_none)
 
     def reset_grad_usage(self) -> None:
         self.sharded_state.reset_grad_usage()
@@ -259,6 +318,21 @@ class DistributedModel(nn.Module):
         self.live.trace = [] if enabled else None
 
     # ---- nn.Module surface --------------------------------------------------------------------
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> DistributedModel:
+        """`model.to(...)`, `.half()`, `.cuda()`, ...: a no-op where nothing changes; otherwise refused.
+        The parameters are views of the fp32 main shards on the device smp.init chose; converting the
+        views would leave the shards -- and training -- as they were."""
+        for p in self.user_params.user:
+            out = fn(p)
+            if out.dtype != p.dtype or out.device != p.device:
+                raise ValueError(
+                    f"{type(self).__name__}: converting parameter {p.shard_layout.fqn} from {p.dtype} on {p.device} "
+                    f"to {out.dtype} on {out.device} after wrapping is not supported: the parameters are views "
+                    "of the fp32 main shards. Set bf16/fp16 in smp.init for mixed precision (the main shards stay "
+                    "fp32), and build or move the model before smp.DistributedModel for the device"
+                )
+        return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._post_partition_hooks:
@@ -365,7 +439,7 @@ class DistributedModel(nn.Module):
         destination = args[0] if len(args) > 0 else destination
         prefix = args[1] if len(args) > 1 else prefix
         keep_vars = args[2] if len(args) > 2 else keep_vars
-        return nested_state_dict(self.sharded_state, self.module, destination, prefix, keep_vars=keep_vars)
+        return nested_state_dict(self.sharded_state, self.module, destination, prefix, keep_vars=keep_vars, tp=self._tp)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load full tensors (as returned by `state_dict`) into the shards and persistent params; a
@@ -378,7 +452,13 @@ class DistributedModel(nn.Module):
                 "load_state_dict(assign=True) is not supported by a DistributedModel: its parameters are "
                 "views of the sharded fp32 main copy, so the values are copied in, not adopted; pass assign=False"
             )
-        return load_full_state_dict(self.sharded_state, self.module, state_dict, strict)
+        return load_full_state_dict(self.sharded_state, self.module, self._tp_local(state_dict), strict)
+
+    def _tp_local(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Under tensor parallelism: this TP rank's piece of each full (Hugging Face layout) tensor."""
+        if self._tp is None:
+            return state_dict
+        return self._tp.local(state_dict, local_param_shapes(self.sharded_state, self.module))
 
     def _load_from_state_dict(
         self,
@@ -395,7 +475,9 @@ class DistributedModel(nn.Module):
         unexpected ones and errors as nn.Module does. torch then recurses into `self.module`, whose
         parameters are size-0 views outside forward and whose keys (`<prefix>module.*`) the dict never
         holds: `_forget_inner_missing` takes those from the missing keys afterwards."""
-        if load_nested(self.sharded_state, self.module, state_dict, prefix, missing_keys, unexpected_keys, error_msgs):
+        mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        local = {prefix + k: v for k, v in self._tp_local(mine).items()}
+        if load_nested(self.sharded_state, self.module, local, prefix, missing_keys, unexpected_keys, error_msgs):
             self._nested_prefix = prefix
 
     @staticmethod
@@ -416,6 +498,18 @@ class DistributedModel(nn.Module):
 
     def all_sharded(self) -> bool:
         return all(u.state is UnitState.SHARDED for u in self.units)
+
+
+def refuse_nested(module: nn.Module) -> None:
+    """A module inside a DistributedModel already (its `.module`, or a part of it) holds sharded
+    parameters: wrapping it again would shard pieces of pieces and train on wrong values."""
+    for name, p in module.named_parameters():
+        if isinstance(p, ShardedTensor):
+            raise ValueError(
+                f"{type(module).__name__} is already inside a smp.DistributedModel (its parameter {name!r} is "
+                "sharded); wrap the plain model once and use that DistributedModel (its .module is the model "
+                "itself, to read, not to wrap again)"
+            )
 
 
 def _module_device(module: nn.Module) -> torch.device:

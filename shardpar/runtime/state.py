@@ -67,6 +67,34 @@ class ShardedState:
         self._unit_pieces = [_unit_pieces(u) for u in units]
         self._persistent_pieces = _persistent_pieces(persistent)
         self.pieces: list[Piece] = [*(p for ps in self._unit_pieces for p in ps), *self._persistent_pieces]
+        # id of a compute or user parameter -> its piece; the user parameters are added by user_params.py
+        self._piece_of: dict[int, Piece] = {id(p.param): p for p in self.pieces}
+        self._user_of: dict[int, torch.Tensor] = {}  # id(compute parameter) -> its user parameter
+
+    def add_user(self, piece: Piece, user: torch.Tensor) -> None:
+        """The user parameter standing for `piece`'s parameter outside forward (user_params.py)."""
+        self._piece_of[id(user)] = piece
+        self._user_of[id(piece.param)] = user
+
+    def piece_of(self, param: object) -> Piece | None:
+        """The piece of a compute or user parameter of this model; None for anything else (a module
+        holds the user parameter outside its unit's forward and the compute one inside)."""
+        return self._piece_of.get(id(param))
+
+    def fqn_of(self, param: object) -> str | None:
+        piece = self._piece_of.get(id(param))
+        return None if piece is None else piece.fqn
+
+    def piece_of_id(self, param_id: int) -> Piece | None:
+        return self._piece_of.get(param_id)
+
+    def fqn_of_id(self, param_id: int) -> str | None:
+        piece = self._piece_of.get(param_id)
+        return None if piece is None else piece.fqn
+
+    def user_of(self, piece: Piece) -> torch.Tensor:
+        """The user parameter of `piece` (the compute one until user_params.py made it)."""
+        return self._user_of.get(id(piece.param), piece.param)
 
     @property
     def num_units(self) -> int:
@@ -111,6 +139,13 @@ class ShardedState:
         for unit in self._units:
             unit.refresh_compute()
         self._persistent.refresh_compute()
+
+    def refresh_stale(self) -> None:
+        """Before a forward: refresh the compute-dtype copies of main values written since their last
+        refresh (by a plain torch optimizer on the user parameters)."""
+        for unit in self._units:
+            unit.refresh_if_stale()
+        self._persistent.refresh_if_stale()
 
     def clear_grads(self, *, set_to_none: bool) -> None:
         """Drop (set_to_none) or zero every main grad."""

@@ -103,6 +103,7 @@ class Unit:
         self.main_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         self.main_grad: torch.Tensor | None = None
         self._compute_shard: torch.Tensor | None = None  # half-precision copy of main_shard (mixed only)
+        self._refreshed_at = -1  # main_shard's version when the compute copy was last made from it
         self.state = UnitState.SHARDED
         self.holds: set[Hold] = set()
         # The hold this unit's own hold of each kind puts on the units it borrows from.
@@ -152,6 +153,13 @@ class Unit:
             self._compute_shard = self.main_shard.to(self.compute_dtype)
         else:
             self._compute_shard.copy_(self.main_shard)
+        self._refreshed_at = self.main_shard._version
+
+    def refresh_if_stale(self) -> None:
+        """Refresh the compute copy if the main shard was written since (a plain torch optimizer stepping
+        the user parameters, whose pieces view the main shard: runtime/user_params.py)."""
+        if self._compute_shard is not None and self.main_shard._version != self._refreshed_at:
+            self.refresh_compute()
 
     # ---- unshard / reshard -------------------------------------------------------------------
 
