@@ -206,3 +206,19 @@ def test_fp16_groups_and_local_state_dict(world_of_one: None) -> None:
     local = opt.local_state_dict()
     assert local["_smp_is_partial"] is True and local["state"]
     opt.load_state_dict(local)  # the marker is accepted back
+
+
+def test_manual_partitioning_accepts_the_one_partition_and_refuses_others() -> None:
+    """pipeline_parallel_degree is 1: partition 0 is every module's; another index cannot be honoured."""
+    with smp.partition(0):
+        layer = nn.Linear(2, 2)
+    smp.set_partition(layer, 0)
+    with (
+        pytest.raises(ValueError, match=r"partition 1 does not exist: pipeline_parallel_degree is 1"),
+        smp.partition(1),
+    ):
+        pass
+    with pytest.raises(ValueError, match=r"set_partition\(Linear, 2\): partition 2 does not exist"):
+        smp.set_partition(layer, 2)
+    with pytest.raises(TypeError, match="must be an int"):
+        smp.set_partition(layer, "0")  # type: ignore[arg-type]
