@@ -3,6 +3,7 @@
 `shardpar/__init__.py` re-exports what users call."""
 
 from shardpar.api.activation_checkpointing import set_activation_checkpointing
+from shardpar.api.context import V1_STATE as state
 from shardpar.api.context import (
     CommGroup,
     allgather,
@@ -70,6 +71,7 @@ from shardpar.api.training import (
     register_parameter,
     resume_from_checkpoint,
     save_checkpoint,
+    set_tensor_parallelism,
     step,
     tensor_parallelism,
 )
@@ -139,8 +141,10 @@ __all__ = [
     "send",
     "set_activation_checkpointing",
     "set_partition",
+    "set_tensor_parallelism",
     "shutdown",
     "size",
+    "state",
     "step",
     "tensor_parallelism",
     "tp_rank",

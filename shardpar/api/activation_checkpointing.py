@@ -192,3 +192,47 @@ def set_activation_checkpointing(
 def _install(module: nn.Module, installed: _Installed, classes: dict[type, type]) -> None:
     module.__dict__[_ATTR] = installed
     _swap_class(module, classes)
+
+
+# ---- SMP v1's functional forms (smdistributed.modelparallel.torch.patches.checkpoint) ------------
+
+
+def checkpoint_call(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -> Any:
+    """v1's `checkpoint(module, *args, preserve_rng_state=True)`: this one call of `module` under an
+    activation checkpoint (offloaded with `offload_activations`). The module's hooks run again in the
+    recomputation, so a sharded unit is gathered again. v1 took modules only, not functions."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"checkpoint needs an nn.Module (SMP v1 checkpoints modules), got {type(module).__name__}")
+    _check_flags(preserve_rng_state, False)
+    if not torch.is_grad_enabled():
+        return module(*args)
+    offloader = activation_offloader()
+    if offloader is not None:
+        return GroupFrame(preserve_rng_state=preserve_rng_state, offloader=offloader).run(
+            0, module, module.__call__, args, {}
+        )
+    return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+
+
+def checkpoint_sequential(
+    sequential_module: nn.Sequential,
+    input: Any,
+    strategy: str = "each",
+    preserve_rng_state: bool = True,
+    pack_args_as_tuple: bool = False,
+) -> Any:
+    """v1's `checkpoint_sequential`: run `sequential_module` on `input` with its children grouped by
+    `strategy` ('each', 'group_N', 'contiguous'), each group under one checkpoint (checkpoint_group.py).
+    `pack_args_as_tuple` is accepted and changes nothing: a tuple input reaches the first child whole."""
+    if not isinstance(sequential_module, nn.Sequential):
+        raise TypeError(f"checkpoint_sequential needs an nn.Sequential, got {type(sequential_module).__name__}")
+    _check_flags(preserve_rng_state, pack_args_as_tuple)
+    size = _group_size(strategy)
+    children = list(sequential_module)
+    size = len(children) if size is None else size
+    out = input
+    for start in range(0, len(children), size):
+        frame = GroupFrame(preserve_rng_state=preserve_rng_state, offloader=activation_offloader())
+        for i, child in enumerate(children[start : start + size]):
+            out = frame.run(i, child, child.__call__, (out,), {}) if torch.is_grad_enabled() else child(out)
+    return out

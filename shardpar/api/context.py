@@ -165,6 +165,18 @@ def is_initialized() -> bool:
     return _STATE is not None
 
 
+class _V1State:
+    """SMP v1's `smp.state`, for what scripts (and transformers' v1 integration) read from it:
+    `smp.state.cfg`, the config (`smp.state.cfg.sharded_data_parallel_degree`, `.fp16`, ...)."""
+
+    @property
+    def cfg(self) -> Config:
+        return state().config
+
+
+V1_STATE = _V1State()
+
+
 def activation_offloader() -> ActivationOffloader | None:
     """The offloader checkpoints hand what they keep to, or None (offload_activations off, or no init)."""
     return _STATE.offloader if _STATE is not None else None

@@ -193,3 +193,16 @@ def test_offloading_is_off_without_the_knob_or_without_init(monkeypatch: pytest.
 def test_a_horizon_below_one_is_refused(horizon: object) -> None:
     with pytest.raises(ValueError, match="activation_loading_horizon"):
         Config.from_dict({"offload_activations": True, "activation_loading_horizon": horizon}, env={})
+
+
+def test_v1_functional_checkpoints_offload_too(offloader: ActivationOffloader) -> None:
+    from shardpar.patches.checkpoint import checkpoint, checkpoint_sequential
+
+    ref = Net(sequential=True)
+    net = copy.deepcopy(ref)
+    x = torch.randn(5, 13, requires_grad=True)
+    checkpoint(net.blocks[0], checkpoint_sequential(net.blocks, x, strategy="group_2")).square().mean().backward()
+    ref.blocks[0](ref.blocks(x.detach().requires_grad_())).square().mean().backward()
+    assert _equal([p.grad for p in net.parameters()], [p.grad for p in ref.parameters()])
+    assert offloader.stats.num_offloaded == offloader.stats.num_reloaded == 3  # two groups, one call
+    assert offloader.queued == 0
