@@ -38,13 +38,23 @@ def _tiny(family: str) -> nn.Module:
     if family == "gptj":
         cfg = transformers.GPTJConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32, **small)
         return transformers.GPTJForCausalLM(cfg)
+    if family == "gptneo":
+        cfg = transformers.GPTNeoConfig(
+            hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], **small
+        )
+        return transformers.GPTNeoForCausalLM(cfg)
+    if family in ("bert", "roberta"):
+        encoder = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+        if family == "bert":
+            return transformers.BertForMaskedLM(transformers.BertConfig(**encoder, **small))
+        return transformers.RobertaForMaskedLM(transformers.RobertaConfig(**encoder, pad_token_id=1, **small))
     cfg = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **small
     )
     return transformers.LlamaForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gptneox", "gptj", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "gptneox", "gptj", "llama", "gptneo", "bert", "roberta"])
 def test_hf_translations_round_trip(family: str) -> None:
     mod = importlib.import_module(f"shardpar.nn.huggingface.{family}")
     to_smp = getattr(mod, f"translate_hf_state_dict_to_smdistributed_{family}")
