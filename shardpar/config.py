@@ -65,6 +65,12 @@ class Config:
         False, "the wrapped model must still be on meta (smp.delay_param_initialization()): ranks build only shards"
     )
     microbatches: int = _knob(1, "smp.step splits the batch into this many micro-batches", minimum=1)
+    offload_activations: bool = _knob(
+        False, "inputs kept by activation checkpoints leave the device after forward (api/activation_offload.py)"
+    )
+    activation_loading_horizon: int = _knob(
+        4, "offloaded checkpoints reloaded this many checkpoints ahead of their backward", minimum=1
+    )
     # shardpar's own knobs (not in the reference).
     ranks_per_node: int | None = _knob(None, "ranks per host; None = LOCAL_WORLD_SIZE", minimum=1)
     collective_timeout_s: float = _knob(

@@ -343,6 +343,11 @@ class DistributedModel(nn.Module):
         """SMP v1: the wrapped module (`model.module`)."""
         return self.module
 
+    @property
+    def partitioned(self) -> bool:
+        """SMP v1: whether the model is partitioned; here it is sharded when wrapped, so always."""
+        return True
+
     # SMP v1's local_* views: with pipeline_parallel_degree 1 every module is this rank's.
     def local_parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
