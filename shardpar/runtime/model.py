@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 from torch.utils.hooks import RemovableHandle
 
 from shardpar.collectives import Engine
@@ -48,6 +49,7 @@ from shardpar.sharding.tp_split import TPSplit
 from shardpar.topology import Topology
 
 _Registered = dict[int, list[nn.Parameter]]
+PARTIAL_KEY = "_smp_is_partial"  # SMP v1's marker of a local_state_dict()
 
 
 class DistributedModel(nn.Module):
@@ -452,6 +454,9 @@ class DistributedModel(nn.Module):
 
         `assign=True` raises ValueError: the parameters are views of their unit's shards, so the
         values are always copied in, never adopted."""
+        if state_dict.get(PARTIAL_KEY):  # SMP v1: smp.save(model.local_state_dict()), then load it back
+            self.sharded_state.load_local_state_dict({k: v for k, v in state_dict.items() if k != PARTIAL_KEY})
+            return _IncompatibleKeys([], [])
         if assign:
             raise ValueError(
                 "load_state_dict(assign=True) is not supported by a DistributedModel: its parameters are "
@@ -493,9 +498,10 @@ class DistributedModel(nn.Module):
         forget_inner_missing(prefix, incompatible.missing_keys)
         model._nested_prefix = None
 
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shard of every sharded parameter (1-D) and every persistent parameter."""
-        return self.sharded_state.local_state_dict()
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's shard of every sharded parameter (1-D) and every persistent parameter, with SMP
+        v1's `_smp_is_partial: True`, by which `load_state_dict` takes it back (same topology)."""
+        return {**self.sharded_state.local_state_dict(), PARTIAL_KEY: True}
 
     def live_elements(self) -> int:
         """Unsharded elements alive right now."""

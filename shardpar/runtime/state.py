@@ -199,6 +199,28 @@ class ShardedState:
         """This rank's piece of every parameter (1-D when sharded), cloned."""
         return {p.fqn: self.main(p).detach().clone() for p in self.pieces}
 
+    def load_local_state_dict(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Take back `local_state_dict()` of this rank under the same topology; every check runs before
+        anything is written. Another topology's pieces would land in the wrong places."""
+        problems = [f"{p.fqn} missing" for p in self.pieces if p.fqn not in values]
+        problems += [
+            f"{p.fqn}: {list(values[p.fqn].shape)} here, this rank holds {list(self.main(p).shape)}"
+            for p in self.pieces
+            if p.fqn in values and tuple(values[p.fqn].shape) != tuple(self.main(p).shape)
+        ]
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise ValueError(
+                f"load_state_dict of a partial (local) state dict: {'; '.join(problems[:3])}{more}. A local state "
+                "dict loads only into the rank and topology that saved it; to change world size, "
+                "sharded_data_parallel_degree or tensor_parallel_degree use smp.save_checkpoint / "
+                "smp.resume_from_checkpoint, which reshard"
+            )
+        with torch.no_grad():
+            for p in self.pieces:
+                self.main(p).copy_(values[p.fqn])
+        self.refresh_compute()
+
 
 def _unit_pieces(unit: Unit) -> list[Piece]:
     return [

@@ -51,10 +51,6 @@ def test_buffer_names_are_the_persistent_ones(world_of_one: None) -> None:
     assert get_buffer_names(model) == ["gpt_neox.layers.1.step"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 20: outside forward a sharded parameter has shape (0,) until parameters keep their global shape",
-)
 def test_param_shapes_are_the_global_shapes(world_of_one: None) -> None:
     ref = models.tiny_neox()
     expected = {n: p.shape for n, p in ref.named_parameters()}
