@@ -365,3 +365,47 @@ def compile_case(how: str, steps: int = 4) -> dict[str, Any]:
 
 def run_compile_cases() -> dict[str, Any]:
     return {how: compile_case(how) for how in ("whole", "inner", "blocks")}
+
+
+def tensor_parallel_case(name: str, steps: int = 3) -> dict[str, Any]:
+    """World 4, tp 2, sdp 2: the parameters have the Hugging Face shapes, and a plain AdamW with
+    clip_grad_norm_ (TP-split parameters summed over the TP group, TP-replicated ones once) trains like
+    one process."""
+    from shardpar.api.data import rdp_slice
+    from tests.multiproc import tp_cases
+
+    smp.init({**SHARD, **tp_cases.TP_KNOBS})
+    try:
+        model = smp.DistributedModel(tp_cases.BUILDERS[name](), tensor_parallelism=True)
+        ref = tp_cases.BUILDERS[name]()
+        opt = torch.optim.AdamW(_decay_groups(model), lr=3e-3)
+        ref_opt = torch.optim.AdamW(_decay_groups(ref), lr=3e-3)
+        out: dict[str, Any] = {
+            "meta": [(n, tuple(p.shape), p.numel()) for n, p in model.named_parameters()],
+            "ref_meta": [(n, tuple(p.shape), p.numel()) for n, p in ref.named_parameters()],
+            "loss": 0.0,
+            "norm": 0.0,
+        }
+        for step in range(steps):
+            batch = models.lm_batch(step, 2 * smp.rdp_size(), vocab=tp_cases.VOCAB[name])
+            loss = model(**rdp_slice(batch)).loss
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+            ref_loss = ref(**batch).loss
+            ref_loss.backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            mine = sum(smp.allgather(loss.item(), smp.CommGroup.RDP_GROUP)) / smp.rdp_size()
+            out["loss"] = max(out["loss"], abs(mine - ref_loss.item()))
+            out["norm"] = max(out["norm"], abs(norm.item() - ref_norm.item()))
+        out["param"] = _max_diff(model.state_dict(), ref.state_dict())
+        return out
+    finally:
+        smp.shutdown()
+
+
+def run_tensor_parallel_cases() -> dict[str, Any]:
+    return {name: tensor_parallel_case(name) for name in ("neox", "gpt2_tied")}

@@ -62,3 +62,10 @@ def test_torch_compile_trains_like_eager_without_recompiling(ranks) -> None:
             assert r["loss"] <= TOL and r["param"] <= TOL, (rank, how, r)
             assert r["graphs"][0] > 0, f"{how}: nothing was compiled"
             assert r["graphs"][-1] == r["graphs"][1], f"rank {rank} {how}: compiled again after step 2: {r['graphs']}"
+
+
+def test_tensor_parallel_parameters_have_hf_shapes_and_clip_exactly(ranks) -> None:
+    for rank, res in enumerate(ranks.run(4, cases.run_tensor_parallel_cases, timeout=600)):
+        for name, r in res.items():
+            assert r["meta"] == r["ref_meta"], (rank, name)
+            assert r["loss"] <= TOL and r["norm"] <= TOL and r["param"] <= TOL, (rank, name, r)
