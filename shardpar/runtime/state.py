@@ -81,16 +81,8 @@ class ShardedState:
         holds the user parameter outside its unit's forward and the compute one inside)."""
         return self._piece_of.get(id(param))
 
-    def fqn_of(self, param: object) -> str | None:
-        piece = self._piece_of.get(id(param))
-        return None if piece is None else piece.fqn
-
     def piece_of_id(self, param_id: int) -> Piece | None:
         return self._piece_of.get(param_id)
-
-    def fqn_of_id(self, param_id: int) -> str | None:
-        piece = self._piece_of.get(param_id)
-        return None if piece is None else piece.fqn
 
     def user_of(self, piece: Piece) -> torch.Tensor:
         """The user parameter of `piece` (the compute one until user_params.py made it)."""

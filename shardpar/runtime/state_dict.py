@@ -49,9 +49,9 @@ def full_state_dict(state: ShardedState, module: nn.Module, *, keep_vars: bool =
     values = state.full_values()
     out: dict[str, Any] = OrderedDict()
     for key, value in module.state_dict(keep_vars=True).items():
-        fqn = state.fqn_of(value)  # the user parameter outside forward, the compute one inside
-        if fqn is not None:
-            out[key] = values[fqn]
+        piece = state.piece_of(value)  # the user parameter outside forward, the compute one inside
+        if piece is not None:
+            out[key] = values[piece.fqn]
         else:
             out[key] = value if keep_vars else value.detach().clone()
     return out
@@ -95,7 +95,7 @@ def _plan_load(state: ShardedState, module: nn.Module, state_dict: Mapping[str, 
     known_set = set(known)
     buffers = persistent_buffers(module)
     # the one name its unit or the persistent table uses, by the id of the object the module holds
-    own = {pid: fqn for pid in aliases if (fqn := state.fqn_of_id(pid)) is not None}
+    own = {pid: piece.fqn for pid in aliases if (piece := state.piece_of_id(pid)) is not None}
     _check_shapes(state, state_dict, aliases, own, buffers)
     values, absent = {}, set(buffers)
     for param_id, name in own.items():
