@@ -36,6 +36,33 @@ def _decay_groups(model: nn.Module) -> list[dict[str, Any]]:
     ]
 
 
+def _plain_steps(
+    model: Any,
+    opt: Any,
+    mine: dict[str, torch.Tensor],
+    ref: nn.Module,
+    ref_opt: Any,
+    full: dict[str, torch.Tensor],
+    *,
+    clip: float,
+    seen: set[str] | None = None,
+) -> tuple[float, float, float, float]:
+    """One plain-PyTorch step (backward, clip_grad_norm_, step, zero_grad) of the wrapped model on this
+    rank's batch and of the reference on the whole batch: (loss, norm, reference loss, reference norm).
+    `seen` collects the types of the wrapped model's .grad after backward."""
+    losses, norms = [], []
+    for m, o, batch in ((model, opt, mine), (ref, ref_opt, full)):
+        loss = m(**batch).loss
+        loss.backward()
+        if seen is not None and m is model:
+            seen.update(type(p.grad).__name__ for p in m.parameters())
+        norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), clip).item())
+        o.step()
+        o.zero_grad()
+        losses.append(loss.item())
+    return losses[0], norms[0], losses[1], norms[1]
+
+
 def surface_case(name: str) -> dict[str, Any]:
     """Shapes, counts, dtype, config, state dicts and a nested wrap, before any training."""
     smp.init(dict(SHARD))
@@ -86,20 +113,11 @@ def plain_optimizer_case(name: str, steps: int = 3) -> dict[str, Any]:
         losses, norms, grad_types = [], [], set()
         for step in range(steps):
             batch = models.lm_batch(step, 2 * world)
-            loss = model(**_mine(batch, rank)).loss
-            loss.backward()
-            grad_types.update(type(p.grad).__name__ for p in model.parameters())
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad()
-            ref_loss = ref(**batch).loss
-            ref_loss.backward()
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-            ref_opt.step()
-            ref_opt.zero_grad()
-            global_loss = sum(smp.allgather(loss.item())) / world
-            losses.append(abs(global_loss - ref_loss.item()))
-            norms.append(abs(norm.item() - ref_norm.item()))
+            loss, norm, ref_loss, ref_norm = _plain_steps(
+                model, opt, _mine(batch, rank), ref, ref_opt, batch, clip=0.5, seen=grad_types
+            )
+            losses.append(abs(sum(smp.allgather(loss)) / world - ref_loss))
+            norms.append(abs(norm - ref_norm))
         return {
             "loss": max(losses),
             "norm": max(norms),
@@ -388,19 +406,10 @@ def tensor_parallel_case(name: str, steps: int = 3) -> dict[str, Any]:
         }
         for step in range(steps):
             batch = models.lm_batch(step, 2 * smp.rdp_size(), vocab=tp_cases.VOCAB[name])
-            loss = model(**rdp_slice(batch)).loss
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            opt.step()
-            opt.zero_grad()
-            ref_loss = ref(**batch).loss
-            ref_loss.backward()
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-            ref_opt.step()
-            ref_opt.zero_grad()
-            mine = sum(smp.allgather(loss.item(), smp.CommGroup.RDP_GROUP)) / smp.rdp_size()
-            out["loss"] = max(out["loss"], abs(mine - ref_loss.item()))
-            out["norm"] = max(out["norm"], abs(norm.item() - ref_norm.item()))
+            loss, norm, ref_loss, ref_norm = _plain_steps(model, opt, rdp_slice(batch), ref, ref_opt, batch, clip=0.05)
+            mine = sum(smp.allgather(loss, smp.CommGroup.RDP_GROUP)) / smp.rdp_size()
+            out["loss"] = max(out["loss"], abs(mine - ref_loss))
+            out["norm"] = max(out["norm"], abs(norm - ref_norm))
         out["param"] = _max_diff(model.state_dict(), ref.state_dict())
         return out
     finally:
