@@ -304,25 +304,30 @@ class Accelerator(accelerate.Accelerator):
 
     # ---- gathering (tensor parallelism: one copy per TP group) ----------------------------------
 
-    def gather(self, tensor: Any) -> Any:
-        gathered = super().gather(tensor)
-        tp, world = smp.tp_size(), self.num_processes
-        if tp == 1:
-            return gathered
-
-        def one_per_tp_group(x: torch.Tensor) -> torch.Tensor:
-            # Ranks are TP-major (docs/design.md): rank r holds TP rank r % tp; keep TP rank 0's rows.
-            return x.reshape(world, -1, *x.shape[1:])[::tp].reshape(-1, *x.shape[1:])
-
-        return recursively_apply(one_per_tp_group, gathered)
-
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        if smp.tp_size() > 1 and (use_gather_object or not _all_tensors(input_data)):
+        """As accelerate; with tensor parallelism, one copy per TP group (its ranks read the same batch),
+        the duplicates of the last batch dropped as accelerate drops them. `gather` keeps accelerate's
+        meaning (every process's tensor, TP copies included: transformers divides its token counts by
+        the TP size itself)."""
+        tp = smp.tp_size()
+        if tp == 1:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        if use_gather_object or not _all_tensors(input_data):
             raise ValueError(
                 "gather_for_metrics of Python objects with tensor_parallel_degree > 1 is not supported (every TP "
                 "rank holds the same batch); gather tensors, or use_gather_object=False"
             )
-        return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        world = self.num_processes
+
+        def one_per_tp_group(x: torch.Tensor) -> torch.Tensor:
+            # Ranks are TP-major (docs/design.md): rank r is TP rank r % tp; keep TP rank 0's rows.
+            return x.reshape(world, -1, *x.shape[1:])[::tp].reshape(-1, *x.shape[1:])
+
+        data = recursively_apply(one_per_tp_group, self.gather(input_data))
+        remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else 0
+        if remainder > 0:  # the loader (split over the rdp ranks) padded its last batch with repeats
+            data = recursively_apply(lambda x: x[:remainder], data)
+        return data
 
     # ---- state ----------------------------------------------------------------------------------
 

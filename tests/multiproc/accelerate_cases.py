@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from transformers import GPTNeoXForCausalLM
 
 import shardpar as smp
 from shardpar.integrations.accelerate import Accelerator
@@ -107,6 +108,10 @@ def loop_case(out: str) -> dict[str, Any]:
         for batch in evaluation:
             gathered.append(accelerator.gather_for_metrics(model(input_ids=batch["input_ids"]).logits))
     straight["eval_logits"] = torch.cat(gathered)
+    accelerator.save_model(model, f"{out}/export")
+    if smp.rank() == 0:
+        exported = GPTNeoXForCausalLM.from_pretrained(f"{out}/export").state_dict()
+        straight["export"] = max((exported[k] - v).abs().max().item() for k, v in straight["final"].items())
     smp.shutdown()
 
     fresh_accelerate_state()
@@ -129,4 +134,12 @@ def loop_case(out: str) -> dict[str, Any]:
         "lr": sched.get_last_lr(),
         "files": files,
     }
-    return {"straight": straight, "resumed": resumed}
+    smp.shutdown()
+
+    # accelerate's mixed_precision becomes shardpar's: bf16 compute copies, and the loop still trains
+    fresh_accelerate_state()
+    bf16 = Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=ACCUM, shardpar_config=SHARD)
+    model, opt, loader, sched = _prepare(bf16)
+    short = _train(bf16, model, opt, loader, sched, 1)
+    mixed = {"compute": str(model.policy.compute), "config_bf16": smp.get_config().bf16, "losses": short["losses"]}
+    return {"straight": straight, "resumed": resumed, "bf16": mixed}

@@ -1,6 +1,7 @@
 """A user's own accelerate loop on shardpar's Accelerator (world 4, sdp 2, accumulation 2) against the
 same loop in plain PyTorch on one process: losses, clip norms, final weights, evaluation gathered with
-gather_for_metrics, the replication AllReduce only at the sync step, and save_state / load_state."""
+gather_for_metrics, the replication AllReduce only at the sync step, save_state / load_state, save_model,
+and mixed_precision="bf16" turned into shardpar's bf16."""
 
 from __future__ import annotations
 
@@ -39,3 +40,7 @@ def test_accelerate_loop_matches_one_process_and_resumes_from_save_state(ranks, 
     assert resumed["losses"] == straight["losses"] and resumed["norms"] == straight["norms"]
     assert _max_diff(resumed["final"], straight["final"]) == 0.0
     assert resumed["lr"] == straight["lr"]
+    assert straight["export"] <= TOL, "save_model -> from_pretrained"
+    mixed = res["bf16"]
+    assert mixed["compute"] == "torch.bfloat16" and mixed["config_bf16"], mixed
+    assert abs(mixed["losses"][0] - ref["losses"][0]) <= 1e-2, (mixed["losses"], ref["losses"][:2])

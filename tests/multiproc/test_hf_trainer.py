@@ -1,6 +1,6 @@
 """shardpar's Trainer (`shardpar.integrations.transformers`) against transformers' own Trainer on one
 process, same global batch: world 4, sdp 2, every parameter sharded, gradient accumulation 2,
-max_grad_norm engaging. Then checkpoints: stop after a save, resume_from_checkpoint=True at the same
+max_grad_norm engaging; and tp 2 x sdp 2. Then checkpoints: stop after a save, resume_from_checkpoint=True at the same
 and at another world size, and the saved Hugging Face weights through from_pretrained."""
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def test_trainer_matches_single_process_trainer(ranks, tmp_path: Path) -> None:
     assert abs(fp32["eval"] - want["eval"]) <= TOL
     assert fp32["predictions"].shape == want["predictions"].shape
     assert (fp32["predictions"] - want["predictions"]).abs().max().item() <= TOL
-    # accumulation 2 = backward_passes_per_step 2: the replication AllReduce only at the boundary
-    for name, run in res.items():
+    # accumulation 2 = backward_passes_per_step 2: the replication AllReduce only at the boundary (tp 2 x
+    # sdp 2 on 4 ranks has one replica: no replication group to reduce over)
+    for name in ("fp32", "bf16", "checkpointing"):
+        run = res[name]
         assert run["micro"] == [0] * cases.STEPS, f"{name}: replication AllReduce inside the window {run['micro']}"
         assert run["boundary"][0] > 0 and run["boundary"] == run["boundary"][:1] * cases.STEPS, run["boundary"]
     # gradient_checkpointing: the block is recomputed in backward, and training is unchanged
@@ -55,6 +57,14 @@ def test_trainer_matches_single_process_trainer(ranks, tmp_path: Path) -> None:
     assert recomputed["layer_calls"] == 2 * fp32["layer_calls"] == 2 * cases.STEPS * cases.ACCUM
     assert _max_abs(recomputed["loss"], want["loss"]) <= TOL
     assert _max_diff(recomputed["final"], want["final"]) <= TOL
+    # tp 2 x sdp 2 (smp.init before the model, built under smp.tensor_parallelism()): the TP ranks read
+    # one batch; the same losses, evaluation, predictions, and the full weights through save_model
+    tp = res["tp"]
+    assert (tp["world"], tp["tp"], tp["sdp"]) == (4, 2, 2)
+    assert _max_abs(tp["loss"], want["loss"]) <= TOL and tp["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
+    assert abs(tp["eval"] - want["eval"]) <= TOL and tp["predictions"].shape == want["predictions"].shape
+    assert (tp["predictions"] - want["predictions"]).abs().max().item() <= TOL
+    assert _max_diff(tp["final"], want["final"]) <= TOL
     bf16 = res["bf16"]
     assert bf16["compute_dtype"] == "torch.bfloat16"
     assert _max_abs(bf16["loss"], ref["bf16"]["loss"]) <= BF16_LOSS_TOL

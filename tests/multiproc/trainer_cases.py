@@ -142,29 +142,52 @@ class LayerCalls(TrainerCallback):
         self.calls += 1
 
 
+TP = {**SHARD, "tensor_parallel_degree": 2, "prescaled_batch": True}
+
+
 def parity_case(out: str) -> dict[str, Any]:
-    """shardpar's Trainer at world 4, sdp 2, accumulation 2: fp32 (with the collective schedule,
-    evaluate and predict), bf16, and fp32 with gradient checkpointing."""
+    """shardpar's Trainer at world 4, accumulation 2: sdp 2 in fp32 (with the collective schedule,
+    evaluate and predict), bf16, and fp32 with gradient checkpointing, each configured through
+    `shardpar_config=`; then tp 2 x sdp 2 configured by `smp.init` before the model is built (under
+    smp.tensor_parallelism()), with evaluate, predict and save_model."""
     runs: dict[str, Any] = {}
-    rdp = int(os.environ["WORLD_SIZE"])  # tp 1
-    for name, changes in (("fp32", {}), ("bf16", {"bf16": True}), ("checkpointing", {"gradient_checkpointing": True})):
-        module = models.tiny_neox(0)
+    world = int(os.environ["WORLD_SIZE"])
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("fp32", {}),
+        ("bf16", {"bf16": True}),
+        ("checkpointing", {"gradient_checkpointing": True}),
+        ("tp", {}),
+    ]
+    for name, changes in variants:
+        tp = name == "tp"
+        if tp:
+            smp.init(TP)
+            with smp.tensor_parallelism():
+                module = models.tiny_neox(0)
+        else:
+            module = models.tiny_neox(0)
         counter, layer = ReplicationCounter(), LayerCalls(module)
         trainer = Trainer(
             model=module,
-            args=training_args(f"{out}/{name}", rdp, **changes),
+            args=training_args(f"{out}/{name}", world // 2 if tp else world, **changes),
             train_dataset=TokenDataset(*TRAIN),
             eval_dataset=TokenDataset(*EVAL),
             callbacks=[counter, layer],
-            shardpar_config=SHARD,
+            **({} if tp else {"shardpar_config": SHARD}),
         )
         trainer.train()
-        run: dict[str, Any] = {**_history(trainer), "final": _full_state(trainer.model), "layer_calls": layer.calls}
-        run.update(micro=counter.micro, boundary=counter.boundary, sdp=smp.sdp_size(), world=smp.size())
-        run["compute_dtype"] = str(trainer.model.policy.compute)
-        if name == "fp32":
+        run: dict[str, Any] = {**_history(trainer), "layer_calls": layer.calls}
+        run.update(micro=counter.micro, boundary=counter.boundary, sdp=smp.sdp_size(), tp=smp.tp_size())
+        run.update(world=smp.size(), compute_dtype=str(trainer.model.policy.compute))
+        if name in ("fp32", "tp"):
             run["eval"] = trainer.evaluate()["eval_loss"]
             run["predictions"] = torch.as_tensor(trainer.predict(TokenDataset(*EVAL)).predictions)
+        if tp:  # state_dict() holds each TP rank's slices (issue 20); the export holds the full weights
+            trainer.save_model(f"{out}/tp/final")
+            saved = GPTNeoXForCausalLM.from_pretrained(f"{out}/tp/final") if smp.rank() == 0 else module
+            run["final"] = {k: v.detach().clone() for k, v in saved.state_dict().items()}
+        else:
+            run["final"] = _full_state(trainer.model)
         runs[name] = run
         smp.shutdown()
     return runs

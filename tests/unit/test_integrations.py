@@ -88,3 +88,21 @@ def test_accelerator_refuses_a_bad_config_before_accelerate_starts() -> None:
     from accelerate.state import PartialState
 
     assert not PartialState._shared_state, "accelerate's state was set up before the config was checked"
+
+
+def test_full_export_under_a_large_max_shard_size_is_one_model_safetensors() -> None:
+    """accelerate's save_model passes max_shard_size="10GB": a model under it is one file named as
+    save_pretrained names it (a lone "model-00001-of-00001.safetensors" without an index is a
+    directory from_pretrained cannot load)."""
+    from types import SimpleNamespace
+
+    from shardpar.checkpoint.full import split_files
+
+    def item(unit: int) -> Any:
+        return SimpleNamespace(source="unit", unit=unit, entry=SimpleNamespace(nbytes=400))
+
+    items = [item(0), item(0), item(1)]
+    assert [name for name, _ in split_files(items, 10**10)] == ["model.safetensors"]
+    assert [name for name, _ in split_files(items, None)] == ["model.safetensors"]
+    names = [name for name, _ in split_files(items, 1000)]
+    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
