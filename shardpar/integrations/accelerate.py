@@ -47,12 +47,18 @@ from typing import Any
 import accelerate
 import torch
 from accelerate.data_loader import prepare_data_loader
-from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, convert_file_size_to_int, recursively_apply
 from torch import nn
 
 import shardpar as smp
 from shardpar.config import Config
+from shardpar.integrations.accelerated import (
+    GRAD_SCALER_ARGS,
+    ShardparOptimizer,
+    optimizes,
+    owned,
+    shares_parameters,
+)
 from shardpar.integrations.hf_export import save_full_weights
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
@@ -65,35 +71,6 @@ _FOREIGN_SHARDING = {
     DistributedType.DEEPSPEED: "deepspeed_plugin / DeepSpeed",
     DistributedType.MEGATRON_LM: "megatron_lm_plugin / Megatron-LM",
 }
-
-
-class ShardparOptimizer(AcceleratedOptimizer):
-    """accelerate's wrapper around a DistributedOptimizer: no device placement (its state lives with the
-    shards) and no GradScaler (shardpar scales fp16 losses itself); `step_was_skipped` is shardpar's."""
-
-    def __init__(self, optimizer: DistributedOptimizer) -> None:
-        super().__init__(optimizer, device_placement=False, scaler=None)
-        self._norm_outs: list[torch.Tensor] = []
-
-    @property
-    def step_was_skipped(self) -> bool:
-        return bool(self.optimizer.skipped)
-
-    def next_grad_norm(self) -> torch.Tensor:
-        """A 0-d tensor the next `step()` fills with the global gradient norm it clipped by (before the
-        clip, loss scale divided out): shardpar computes it inside the step, in the AllReduce that also
-        decides the clip, so a caller that logs it after the step (the Trainer) pays nothing more."""
-        out = torch.full((), float("nan"))
-        self._norm_outs.append(out)
-        return out
-
-    def step(self, closure: Any = None) -> None:
-        super().step(closure)
-        if self.gradient_state.sync_gradients:
-            norm = self.optimizer.last_grad_norm
-            for out in self._norm_outs:
-                out.copy_(norm.detach().float().cpu() if norm is not None else torch.tensor(float("nan")))
-            self._norm_outs.clear()
 
 
 class Accelerator(accelerate.Accelerator):
@@ -175,7 +152,7 @@ class Accelerator(accelerate.Accelerator):
             self._keep(model)  # shardpar owns its placement, precision and gradient reduction
             return model
         owner = self.shardpar_model()
-        if owner is not None and _shares_parameters(model, owner):
+        if owner is not None and shares_parameters(model, owner):
             raise ValueError(
                 f"accelerator.prepare got a module ({type(model).__name__}) whose parameters belong to the "
                 "DistributedModel already prepared; pass the DistributedModel itself"
@@ -196,10 +173,11 @@ class Accelerator(accelerate.Accelerator):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         model = self.shardpar_model()
         if not isinstance(optimizer, DistributedOptimizer):
-            if model is None or not _optimizes(optimizer, model):
+            if model is None or not optimizes(optimizer, model):
                 return super().prepare_optimizer(optimizer, device_placement=device_placement)
             fp16 = model.policy.compute == torch.float16  # accelerate's fp16 scales dynamically; so does this
-            optimizer = smp.DistributedOptimizer(optimizer, dynamic_loss_scale=fp16, model=model)
+            scaling = {"dynamic_loss_scale": True, "dynamic_loss_args": GRAD_SCALER_ARGS} if fp16 else {}
+            optimizer = smp.DistributedOptimizer(optimizer, model=model, **scaling)
         wrapped = ShardparOptimizer(optimizer)
         self._optimizers.append(wrapped)
         return wrapped
@@ -267,7 +245,7 @@ class Accelerator(accelerate.Accelerator):
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> Any:
         params = list(parameters)
         model = self.shardpar_model()
-        if model is None or not _owned(params, model):
+        if model is None or not owned(params, model):
             return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type!r}): a shardpar model clips by the L2 norm (2)")
@@ -279,7 +257,7 @@ class Accelerator(accelerate.Accelerator):
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         params = list(parameters)
         model = self.shardpar_model()
-        if model is not None and _owned(params, model):
+        if model is not None and owned(params, model):
             raise ValueError(
                 "clip_grad_value_ is not supported on a shardpar model (its gradients are sharded fp32 main "
                 "grads); use clip_grad_norm_, or the sdp_gradient_clipping knob"
@@ -407,30 +385,6 @@ def _with_precision(config: Config, mixed_precision: str, *, initialized: bool) 
             f"in its configured precision; set {mixed_precision}=True in the shardpar config, or make them agree"
         )
     return config.replace(**{mixed_precision: True})
-
-
-def _shares_parameters(module: nn.Module, model: DistributedModel) -> bool:
-    ours = {id(p) for p in model.parameters()}
-    return any(id(p) in ours for p in module.parameters())
-
-
-def _optimizes(optimizer: torch.optim.Optimizer, model: DistributedModel) -> bool:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return bool(params) and _owned(params, model)
-
-
-def _owned(params: list[torch.Tensor], model: DistributedModel) -> bool:
-    """True when every tensor is one of `model`'s parameters, False when none is; a mix is refused."""
-    ours = {id(p) for p in model.parameters()}
-    mine = [id(p) in ours for p in params]
-    if all(mine) and mine:
-        return True
-    if any(mine):
-        raise ValueError(
-            f"{sum(mine)} of {len(mine)} tensors are parameters of the shardpar model: pass all of model.parameters() "
-            "(its gradients are clipped and stepped together) or none"
-        )
-    return False
 
 
 def _all_tensors(data: Any) -> bool:

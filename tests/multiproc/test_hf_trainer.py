@@ -48,7 +48,7 @@ def test_trainer_matches_single_process_trainer(ranks, tmp_path: Path) -> None:
     assert (fp32["predictions"] - want["predictions"]).abs().max().item() <= TOL
     # accumulation 2 = backward_passes_per_step 2: the replication AllReduce only at the boundary (tp 2 x
     # sdp 2 on 4 ranks has one replica: no replication group to reduce over)
-    for name in ("fp32", "bf16", "checkpointing"):
+    for name in ("fp32", "bf16", "fp16", "checkpointing"):
         run = res[name]
         assert run["micro"] == [0] * cases.STEPS, f"{name}: replication AllReduce inside the window {run['micro']}"
         assert run["boundary"][0] > 0 and run["boundary"] == run["boundary"][:1] * cases.STEPS, run["boundary"]
@@ -68,8 +68,15 @@ def test_trainer_matches_single_process_trainer(ranks, tmp_path: Path) -> None:
     bf16 = res["bf16"]
     assert bf16["compute_dtype"] == "torch.bfloat16"
     assert _max_abs(bf16["loss"], ref["bf16"]["loss"]) <= BF16_LOSS_TOL
+    assert bf16["grad_norm"] == pytest.approx(ref["bf16"]["grad_norm"], rel=1e-2)  # Adam would hide a 2x gradient
     hf_bf16_drift = _max_diff(ref["bf16"]["final"], want["final"])
     assert 0 < _max_diff(bf16["final"], want["final"]) <= BF16_SLACK * hf_bf16_drift
+    # fp16 (2^-11 relative) against fp32, with torch.amp.GradScaler's dynamic scale: no step skipped
+    fp16 = res["fp16"]
+    assert fp16["compute_dtype"] == "torch.float16"
+    assert fp16["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-2), "a skipped step logs a non-finite norm"
+    assert _max_abs(fp16["loss"], want["loss"]) <= BF16_LOSS_TOL
+    assert 0 < _max_diff(fp16["final"], want["final"]) <= hf_bf16_drift
 
 
 def test_trainer_resumes_from_its_checkpoint_exactly_at_any_world_size(ranks, tmp_path: Path) -> None:

@@ -147,7 +147,7 @@ TP = {**SHARD, "tensor_parallel_degree": 2, "prescaled_batch": True}
 
 def parity_case(out: str) -> dict[str, Any]:
     """shardpar's Trainer at world 4, accumulation 2: sdp 2 in fp32 (with the collective schedule,
-    evaluate and predict), bf16, and fp32 with gradient checkpointing, each configured through
+    evaluate and predict), bf16, fp16, and fp32 with gradient checkpointing, each configured through
     `shardpar_config=`; then tp 2 x sdp 2 configured by `smp.init` before the model is built (under
     smp.tensor_parallelism()), with evaluate, predict and save_model."""
     runs: dict[str, Any] = {}
@@ -155,6 +155,7 @@ def parity_case(out: str) -> dict[str, Any]:
     variants: list[tuple[str, dict[str, Any]]] = [
         ("fp32", {}),
         ("bf16", {"bf16": True}),
+        ("fp16", {"fp16": True}),
         ("checkpointing", {"gradient_checkpointing": True}),
         ("tp", {}),
     ]

@@ -41,7 +41,8 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import shardpar as smp
-from shardpar.integrations.accelerate import SHARDPAR_DIR, Accelerator, ShardparOptimizer
+from shardpar.integrations.accelerate import SHARDPAR_DIR, Accelerator
+from shardpar.integrations.accelerated import GRAD_SCALER_ARGS, ShardparOptimizer
 from shardpar.integrations.hf_export import save_full_weights
 from shardpar.integrations.transformers.settings import check_trainer_arguments, trainer_config
 from shardpar.optim.optimizer import DistributedOptimizer
@@ -111,9 +112,8 @@ class Trainer(transformers.Trainer):
         optimizer = super().create_optimizer(model)
         if isinstance(optimizer, (AcceleratedOptimizer, DistributedOptimizer)):
             return optimizer
-        sharded = smp.DistributedOptimizer(
-            optimizer, dynamic_loss_scale=bool(self.args.fp16), model=self.sharded_model()
-        )
+        scaling = {"dynamic_loss_scale": True, "dynamic_loss_args": GRAD_SCALER_ARGS} if self.args.fp16 else {}
+        sharded = smp.DistributedOptimizer(optimizer, model=self.sharded_model(), **scaling)
         # Trainer's clipping is shardpar's built-in one (inside step(), sharing the overflow check's AllReduce).
         sharded.clip_norm = float(self.args.max_grad_norm or 0.0)
         self.optimizer = sharded
