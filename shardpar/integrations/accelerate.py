@@ -53,8 +53,8 @@ from torch import nn
 import shardpar as smp
 from shardpar.config import Config
 from shardpar.integrations.accelerated import (
-    GRAD_SCALER_ARGS,
     ShardparOptimizer,
+    distributed_optimizer,
     optimizes,
     owned,
     shares_parameters,
@@ -175,9 +175,7 @@ class Accelerator(accelerate.Accelerator):
         if not isinstance(optimizer, DistributedOptimizer):
             if model is None or not optimizes(optimizer, model):
                 return super().prepare_optimizer(optimizer, device_placement=device_placement)
-            fp16 = model.policy.compute == torch.float16  # accelerate's fp16 scales dynamically; so does this
-            scaling = {"dynamic_loss_scale": True, "dynamic_loss_args": GRAD_SCALER_ARGS} if fp16 else {}
-            optimizer = smp.DistributedOptimizer(optimizer, model=model, **scaling)
+            optimizer = distributed_optimizer(optimizer, model)
         wrapped = ShardparOptimizer(optimizer)
         self._optimizers.append(wrapped)
         return wrapped

@@ -10,12 +10,22 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
+import shardpar as smp
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
 
 # fp16: torch.amp.GradScaler's defaults (what transformers' and accelerate's fp16 use), for shardpar's
 # dynamic loss scaler (its own default starts at 2**32, as SMP v1 and DeepSpeed do).
-GRAD_SCALER_ARGS = {"init_scale": 2.0**16, "scale_factor": 2.0, "scale_window": 2000}
+GRAD_SCALER_ARGS: dict[str, Any] = {"init_scale": 2.0**16, "scale_factor": 2.0, "scale_window": 2000}
+
+
+def distributed_optimizer(optimizer: torch.optim.Optimizer, model: DistributedModel) -> DistributedOptimizer:
+    """`smp.DistributedOptimizer` over `model`'s shards, scaling fp16 losses as Hugging Face's fp16 does."""
+    if model.policy.compute == torch.float16:
+        return smp.DistributedOptimizer(
+            optimizer, dynamic_loss_scale=True, dynamic_loss_args=GRAD_SCALER_ARGS, model=model
+        )
+    return smp.DistributedOptimizer(optimizer, model=model)
 
 
 class ShardparOptimizer(AcceleratedOptimizer):

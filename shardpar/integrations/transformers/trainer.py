@@ -42,7 +42,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import shardpar as smp
 from shardpar.integrations.accelerate import SHARDPAR_DIR, Accelerator
-from shardpar.integrations.accelerated import GRAD_SCALER_ARGS, ShardparOptimizer
+from shardpar.integrations.accelerated import ShardparOptimizer, distributed_optimizer
 from shardpar.integrations.hf_export import save_full_weights
 from shardpar.integrations.transformers.settings import check_trainer_arguments, trainer_config
 from shardpar.optim.optimizer import DistributedOptimizer
@@ -112,8 +112,7 @@ class Trainer(transformers.Trainer):
         optimizer = super().create_optimizer(model)
         if isinstance(optimizer, (AcceleratedOptimizer, DistributedOptimizer)):
             return optimizer
-        scaling = {"dynamic_loss_scale": True, "dynamic_loss_args": GRAD_SCALER_ARGS} if self.args.fp16 else {}
-        sharded = smp.DistributedOptimizer(optimizer, model=self.sharded_model(), **scaling)
+        sharded = distributed_optimizer(optimizer, self.sharded_model())
         # Trainer's clipping is shardpar's built-in one (inside step(), sharing the overflow check's AllReduce).
         sharded.clip_norm = float(self.args.max_grad_norm or 0.0)
         self.optimizer = sharded
