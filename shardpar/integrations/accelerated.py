@@ -57,8 +57,15 @@ class ShardparOptimizer(AcceleratedOptimizer):
             self._norm_outs.clear()
 
 
+def parameter_ids(model: DistributedModel) -> set[int]:
+    """Every object that stands for one of `model`'s parameters: the one the user built (what an
+    optimizer made before wrapping holds) and what `model.parameters()` yields (the same object until
+    parameters keep their global shape outside forward, issue 20, which gives each its own)."""
+    return {id(p) for p in model.parameters()} | {id(piece.param) for piece in model.sharded_state.pieces}
+
+
 def shares_parameters(module: nn.Module, model: DistributedModel) -> bool:
-    ours = {id(p) for p in model.parameters()}
+    ours = parameter_ids(model)
     return any(id(p) in ours for p in module.parameters())
 
 
@@ -69,7 +76,7 @@ def optimizes(optimizer: torch.optim.Optimizer, model: DistributedModel) -> bool
 
 def owned(params: list[torch.Tensor], model: DistributedModel) -> bool:
     """True when every tensor is one of `model`'s parameters, False when none is; a mix is refused."""
-    ours = {id(p) for p in model.parameters()}
+    ours = parameter_ids(model)
     mine = [id(p) in ours for p in params]
     if all(mine) and mine:
         return True
