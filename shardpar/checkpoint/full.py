@@ -129,6 +129,8 @@ def split_files(items: list[Item], max_shard_size: int | None) -> list[tuple[str
         size += it.entry.nbytes
         last_unit = it.unit if it.source == "unit" else last_unit
     n = len(files)
+    if n == 1:  # as save_pretrained: one shard is model.safetensors (no index is written for it)
+        return [(SINGLE_FILE, items)]
     return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", f) for i, f in enumerate(files)]
 
 
