@@ -71,8 +71,9 @@ def _precision_and_compile_problems(args: TrainingArguments) -> list[str]:
     problems = []
     if args.torch_compile:
         problems.append(
-            f"torch_compile=True (backend {args.torch_compile_backend!r}): torch.compile of a sharded model is not "
-            "supported yet (its parameters change shape between forward passes); set torch_compile=False"
+            f"torch_compile=True (backend {args.torch_compile_backend!r}): shardpar's Trainer does not compile the "
+            "model yet (a wrapped model compiles in your own loop: docs/user-guide.md section 6); set "
+            "torch_compile=False"
         )
     if args.fp16_full_eval or args.bf16_full_eval:
         problems.append(
