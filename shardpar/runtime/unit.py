@@ -122,6 +122,7 @@ class Unit:
         self.grad_used = [False] * len(params)
         # shard_optimizer_state: this rank's piece of the shard's fp32 state, set by the model once the
         # shard is taken ([Note: replica-sharded main], replica_shard.py); None: the whole shard is stepped.
+        # Under bf16/fp16 main_shard is then empty: the piece's fp32 values are the only ones kept.
         self.replica: ReplicaShard | None = None
 
     # ---- initial sharding --------------------------------------------------------------------

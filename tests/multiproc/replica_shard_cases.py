@@ -8,6 +8,7 @@ batch of 4 sliced by rdp rank), so any setting trains the same model.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,12 @@ def _stepped_state(model: Any, opt: Any) -> list[torch.Tensor]:
     return out
 
 
-def _precision_run(precision: str, knobs: dict[str, Any], poison_step: int) -> dict[str, Any]:
-    """4 steps of 2 micro-batches, clipping on; at `poison_step` rank 3 passes an inf loss, so the step
-    is skipped on every rank."""
-    smp.init({**ck.SHARD, "sharded_data_parallel_degree": 2, precision: True, **knobs})
+def _precision_run(precision: str, sdp: int, knobs: dict[str, Any], poison_step: int) -> dict[str, Any]:
+    """4 steps of 2 micro-batches; at `poison_step` rank 3 passes an inf loss, so the step is skipped on
+    every rank. No clipping: the clip coefficient comes from a norm summed in another order with the
+    knob (over the rdp group's pieces), which may round differently (parity with clipping: fp32 cases)."""
+    knobs = {**ck.SHARD, "sdp_gradient_clipping": 0.0, **knobs}
+    smp.init({**knobs, "sharded_data_parallel_degree": sdp, precision: True})
     try:
         torch.manual_seed(0)
         model = smp.DistributedModel(models.UnevenMLP(), backward_passes_per_step=2)
@@ -82,9 +85,13 @@ def _precision_run(precision: str, knobs: dict[str, Any], poison_step: int) -> d
         smp.shutdown()
 
 
-def precision_case(precision: str) -> dict[str, Any]:
-    """World 4, sdp 2 x 2 replicas: knob off, then on."""
-    return {"off": _precision_run(precision, {}, poison_step=2), "on": _precision_run(precision, ON, poison_step=2)}
+def precision_case(precision: str, sdp: int = 2, knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """World 4: knob off, then on."""
+    knobs = knobs or {}
+    return {
+        "off": _precision_run(precision, sdp, knobs, poison_step=2),
+        "on": _precision_run(precision, sdp, {**knobs, **ON}, poison_step=2),
+    }
 
 
 # ---- the communication schedule ---------------------------------------------------------------
@@ -233,3 +240,92 @@ def bf16_export_case(root: str) -> dict[str, Any]:
     resumed = ck._full_state(model)
     out["resumed_vs_saved"] = max((resumed[k] - state[k]).abs().max().item() for k in state)
     return out
+
+
+# ---- gradients kept across steps ----------------------------------------------------------------
+
+
+def kept_grads_case(sdp: int) -> dict[str, float]:
+    """SGD with momentum, 2 micro-steps a window; no zero_grad after step 0 (the next window adds to its
+    gradient, as plain PyTorch allows) and zero_grad(set_to_none=False) after step 1: against a single
+    process doing the same. With the knob the kept gradient is this rank's piece, and the next window's
+    ReduceScatter adds to it."""
+    smp.init({**ck.SHARD, "sharded_data_parallel_degree": sdp, "sdp_gradient_clipping": 0.0, **ON})
+    try:
+        torch.manual_seed(0)
+        model = smp.DistributedModel(models.UnevenMLP(), backward_passes_per_step=2)
+        opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        torch.manual_seed(0)
+        ref = models.UnevenMLP()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        r, n = smp.rdp_rank(), smp.rdp_size()
+        for step in range(4):
+            for micro in range(2):
+                batch = models.mlp_batch(100 * step + micro, 2 * n)
+                model.backward(model(**{k: v[2 * r : 2 * r + 2] for k, v in batch.items()}) / 2)
+                (ref(**batch) / 2).backward()
+            opt.step()
+            ref_opt.step()
+            if step == 1:
+                opt.zero_grad(set_to_none=False)
+                ref_opt.zero_grad(set_to_none=False)
+            elif step != 0:
+                opt.zero_grad()
+                ref_opt.zero_grad()
+        split = all(u.replica is not None for u in model.units if u.num_trainable)
+        return {"param": models.max_param_diff(model, ref), "split": float(split)}
+    finally:
+        smp.shutdown()
+
+
+# ---- tensor parallelism: checkpoints --------------------------------------------------------------
+
+
+def _tp_build(tp: int, sdp: int, seed: int, knobs: dict[str, Any]) -> tuple[Any, Any, Any]:
+    from tests.multiproc import checkpoint_tp_cases as ckt
+
+    smp.init({**ckt._knobs(tp, sdp), **knobs})
+    model = smp.DistributedModel(ckt.BUILDERS["neox"](seed), tensor_parallelism=tp > 1)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(_param_groups(model), **ADAM))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def tp_save_case(root: str) -> dict[str, Any]:
+    """World 4, tp 2 x sdp 1 x 2 replicas, knob on: 3 steps of tiny GPT-NeoX, a partial save, 3 more
+    (checkpoint_tp_cases.py's recipe; values in the Hugging Face layout)."""
+    from tests.multiproc import checkpoint_tp_cases as ckt
+
+    try:
+        model, opt, sched = _tp_build(2, 1, 0, ON)
+        ckt._train("neox", model, opt, sched, range(ckt.SAVE_AT))
+        at_save = ckt._stats_of(model, opt)
+        out = ckt._save(root, "step3", model, opt, user_content={"step": ckt.SAVE_AT, "scheduler": sched.state_dict()})
+        losses = ckt._train("neox", model, opt, sched, range(ckt.SAVE_AT, ckt.STEPS))
+        result = {"at_save": at_save, "losses": losses, "final": ckt._stats_of(model, opt)}
+        if smp.rank() == 0:
+            index = json.loads((out / "index.json").read_text())
+            result["stored"] = sum(
+                torch.Size(shape).numel()
+                for f in index["files"].values()
+                for key, (_, shape) in f["tensors"].items()
+                if key.startswith(("param/", "optim/"))
+            )
+            result["files"] = sorted(p.name for p in out.iterdir())
+        return result
+    finally:
+        smp.shutdown()
+
+
+def tp_resume_case(root: str, tp: int, sdp: int, knobs: dict[str, Any]) -> dict[str, Any]:
+    from tests.multiproc import checkpoint_tp_cases as ckt
+
+    try:
+        model, opt, sched = _tp_build(tp, sdp, 123, knobs)
+        content = ckt._resume(root, "step3", model, opt)
+        sched.load_state_dict(content["scheduler"])
+        resumed = ckt._stats_of(model, opt)
+        losses = ckt._train("neox", model, opt, sched, range(ckt.SAVE_AT, ckt.STEPS))
+        return {"resumed": resumed, "losses": losses, "final": ckt._stats_of(model, opt)}
+    finally:
+        smp.shutdown()

@@ -77,12 +77,19 @@ def test_parity_at_world_4_with_accumulation_clipping_and_tensor_parallelism(ran
     assert result["clipped"] == 1.0 and result["tp_loss_spread"] == 0.0, result
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_is_bit_identical_to_the_knob_off_skips_included(ranks, precision: str) -> None:
-    """sdp 2 x 2 replicas, accumulation 2, clipping; rank 3 passes an inf loss at step 2. Two replicas
-    average alike by AllReduce or ReduceScatter, and the optimizer is element-wise, so every loss, skip,
-    loss scale and final value is the same bit for bit."""
-    for rank, res in enumerate(ranks.run(4, cases.precision_case, precision, timeout=600)):
+@pytest.mark.parametrize(
+    ("precision", "sdp", "knobs"),
+    [("bf16", 2, {}), ("fp16", 2, {}), ("bf16", 1, {"sdp_reduce_dtype": "bf16", "sdp_reduce_bucket_size": 100})],
+    ids=["bf16", "fp16", "bf16-reduce-sdp1-zero2"],
+)
+def test_mixed_precision_is_bit_identical_to_the_knob_off_skips_included(
+    ranks, precision: str, sdp: int, knobs: dict[str, Any]
+) -> None:
+    """Accumulation 2, no clipping (see precision_case); rank 3 passes an inf loss at step 2. The
+    replicas average alike by AllReduce or ReduceScatter (two of them; or the smddp engine's rank-order
+    sums, here at sdp 1 with four replicas and the boundary buckets folded in bf16), and the optimizer is
+    element-wise, so every loss, skip, loss scale and final value is the same bit for bit."""
+    for rank, res in enumerate(ranks.run(4, cases.precision_case, precision, sdp, knobs, timeout=600)):
         off, on = res["off"], res["on"]
         assert all(on["split"]) and not any(off["split"]), f"rank {rank}: {on['split']} / {off['split']}"
         assert on["skipped"] == off["skipped"] == [False, False, True, False], f"rank {rank}: {on['skipped']}"
@@ -165,6 +172,33 @@ def test_resume_across_the_knob_sdp_and_world_size(ranks, tmp_path: Path) -> Non
     straight_off = ranks.run(4, cases.save_midway_case, off_dir, 2, {}, timeout=600)[0]
     results = ranks.run(2, cases.resume_case, off_dir, 1, cases.ON, timeout=600)
     _check_resumed("off -> world 2 sdp 1 on", results, straight_off, True)
+
+
+def test_tensor_parallel_checkpoint_stores_each_element_once_and_resumes_anywhere(ranks, tmp_path: Path) -> None:
+    """tp 2 x sdp 1 x 2 replicas with the knob (tiny GPT-NeoX): every rank writes its piece, the files hold
+    each element of the parameters and both Adam moments once; resumed at tp 2 x sdp 2 without the knob
+    and at world 2, tp 1, sdp 1 x 2 replicas with it: exact at the resume, the steps after within 1e-6."""
+    root = str(tmp_path)
+    straight = ranks.run(4, cases.tp_save_case, root, timeout=600)[0]
+    assert [f for f in straight["files"] if f.startswith("shard-")] == [f"shard-0000{i}.safetensors" for i in range(4)]
+    hf_numel = sum(t.numel() for t in straight["at_save"]["params"].values())
+    assert straight["stored"] == 3 * hf_numel, (straight["stored"], hf_numel)
+    for world, tp, sdp, knobs in [(4, 2, 2, {}), (2, 1, 1, cases.ON)]:
+        for rank, res in enumerate(ranks.run(world, cases.tp_resume_case, root, tp, sdp, knobs, timeout=600)):
+            label = f"world {world} tp {tp} sdp {sdp} {knobs} rank {rank}"
+            for what in ("params", "moments"):
+                assert _diff(res["resumed"][what], straight["at_save"][what]) == 0.0, f"{label}: resumed {what}"
+                assert _diff(res["final"][what], straight["final"][what]) <= RESUME_TOL, f"{label}: final {what}"
+            losses = max(abs(a - b) for a, b in zip(res["losses"], straight["losses"], strict=True))
+            assert losses <= RESUME_TOL, f"{label}: losses differ by {losses:.2e}"
+
+
+@pytest.mark.parametrize("sdp", [2, 1])
+def test_gradients_kept_across_steps_add_up_as_in_plain_pytorch(ranks, sdp: int) -> None:
+    """No zero_grad after a step, then zero_grad(set_to_none=False): the next windows add to this rank's
+    piece of the kept gradient (at sdp 1 through the bucket that carries the ReduceScatter)."""
+    for rank, res in enumerate(ranks.run(4, cases.kept_grads_case, sdp, timeout=600)):
+        assert res["split"] == 1.0 and res["param"] <= TOL, f"rank {rank}: {res}"
 
 
 def test_world_8_parity(ranks) -> None:
