@@ -2,7 +2,8 @@
 
 Spawns `--world` CPU ranks (gloo), each building the model under smp.delay_param_initialization (a
 rank materialises only its shards, so building adds no full model), then training `--steps` steps
-(AdamW, fp32, sdp = world, no activation checkpointing unless --checkpointing). Each rank reports:
+(AdamW, fp32 unless --precision, sdp = world unless --sdp, no activation checkpointing unless
+--checkpointing; --shard-optimizer-state sets that knob). Each rank reports:
 
     hwm     the process's lifetime peak RSS (imports and build included): VmHWM before training,
             or the RSS before training plus the training peak, whichever is higher
@@ -73,10 +74,13 @@ def _rank(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     smp.init(
         {
-            "sharded_data_parallel_degree": args.world,
+            "sharded_data_parallel_degree": args.sdp or args.world,
             "sdp_reduce_bucket_size": args.bucket,
             "sdp_max_live_parameters": args.max_live,
             "ddp_dist_backend": args.backend,
+            "shard_optimizer_state": args.shard_optimizer_state,
+            "sdp_param_persistence_threshold": args.persistence_threshold,
+            **({} if args.precision == "fp32" else {args.precision: True}),
         }
     )
     cfg = GPTNeoXConfig(vocab_size=VOCAB, max_position_embeddings=args.seq, use_cache=False, **MODELS[args.model])
@@ -94,7 +98,9 @@ def _rank(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     before = _status_mib("VmRSS")
     phases = dict.fromkeys(PHASES, 0.0)
     start = time.perf_counter()
+    step_s = []
     for _ in range(args.steps):
+        step_start = time.perf_counter()
         ids = torch.randint(0, VOCAB, (args.batch, args.seq), generator=g)
         _reset_hwm()
         loss = model(input_ids=ids, labels=ids).loss
@@ -107,11 +113,12 @@ def _rank(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         phases["optimizer"] = max(phases["optimizer"], _status_mib("VmHWM") - before)
+        step_s.append(time.perf_counter() - step_start)
     seconds = time.perf_counter() - start
     smp.shutdown()
     train = max(phases.values())
     hwm = max(build_hwm, before + train)
-    return {"numel": numel, "hwm": hwm, "train": train, "before": before, "s": seconds, **phases}
+    return {"numel": numel, "hwm": hwm, "train": train, "before": before, "s": seconds, "step_s": step_s, **phases}
 
 
 def _reset_hwm() -> None:
@@ -165,10 +172,16 @@ def snapshot(rev: str | None) -> tuple[str, str]:
     return f"shardpar@{short.stdout.strip()}", dst
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="168m")
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--sdp", type=int, default=0, help="sharded_data_parallel_degree (default: the world)")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    ap.add_argument("--shard-optimizer-state", action="store_true", help="the shard_optimizer_state knob")
+    ap.add_argument(
+        "--persistence-threshold", type=float, default=1e6, help="sdp_param_persistence_threshold (elements)"
+    )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=128)
@@ -181,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
     args.bucket, args.max_live = int(args.bucket), int(args.max_live)
+    args.persistence_threshold = int(args.persistence_threshold)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     label, path = snapshot(args.rev)
     try:
         ranks = launch(args, path)
@@ -189,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(path, ignore_errors=True)
     print(
         f"{label}: GPT-NeoX {args.model} ({ranks[0]['numel'] / 1e6:.1f}M parameters), {args.world} ranks, "
-        f"sdp {args.world}, fp32, batch {args.batch}x{args.seq}, {args.steps} steps, bucket {args.bucket:.3g}, "
+        f"sdp {args.sdp or args.world}, {args.precision}, shard_optimizer_state {args.shard_optimizer_state}, "
+        f"batch {args.batch}x{args.seq}, {args.steps} steps, bucket {args.bucket:.3g}, "
         f"max_live {args.max_live:.3g}, checkpointing {args.checkpointing}, "
         f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'unset'}"
     )

@@ -39,6 +39,9 @@ class Slot:
     param_shape: tuple[int, ...]  # the (TP-local) parameter's; its .data is empty while sharded
     cut: Cut  # how TP ranks' parameters make up the full one; cut.full_shape is the Hugging Face shape
     tp_rank: int  # which of cut.size local parameters this is (0 when not TP-split)
+    # shard_optimizer_state: this rank's piece is its own, not a copy held by every replica
+    # ([Note: replica-sharded main], runtime/replica_shard.py)
+    replica_owned: bool = False
 
     @property
     def tp_split(self) -> bool:
@@ -69,6 +72,7 @@ def slots(model: DistributedModel) -> list[Slot]:
                 piece.shape,
                 cut,
                 rank,
+                piece.sharded and state.replica_sharded,
             )
         )
     return out

@@ -7,9 +7,15 @@ Per device, with S = this rank's sharded elements (sum over units of ceil(numel 
 P = persistent elements (numel < sdp_param_persistence_threshold, whole on every rank):
 
     model states   (4 main + c compute copy [mixed only] + 4 main grad + k optimizer) x (S + P)
+                   with shard_optimizer_state over R replicas (S_o = this rank's piece, ~S / R; the
+                   layout pads each unit to a multiple of sdp x R): c x (S + P) compute shard +
+                   (4 main [mixed only: in fp32 the shard is the main copy] + 4 main grad + k) x S_o
+                   + (4 + 4 + k) x P -- [Note: replica-sharded main] (runtime/replica_shard.py)
     gathered       c x live elements: the root unit (gathered through forward) + the current unit
                    + the prefetched next one while under sdp_max_live_parameters
     unit grads     c x (root + largest unit): autograd grads before they are reduce-scattered
+    shard grads    shard_optimizer_state only: 4 x S, the shard's main grad from the end of a boundary
+                   backward (or through an accumulation window) until its replication ReduceScatter
     reduce bucket  r x min(all, sdp_reduce_bucket_size + largest unit)
     activations    the tensors autograd saves per layer (see `_activations`), after Korthikanti et
                    al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2,
@@ -98,6 +104,8 @@ class Setup:
     reduce_bucket_size: int = int(5e8)
     device: str = "a100-40gb"  # a DEVICES key or "cpu"
     device_bytes: int | None = None  # overrides the device's capacity
+    shard_optimizer_state: bool = False  # the fp32 state split over the replicas too
+    world: int | None = None  # devices in all: the replicas are world / (tp x sdp) (None: one replica)
 
     def __post_init__(self) -> None:
         if self.precision not in DTYPE_BYTES:
@@ -113,6 +121,13 @@ class Setup:
         for name in ("sdp", "tp", "batch", "seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.world is not None and (self.world < 1 or self.world % (self.tp * self.sdp)):
+            raise ValueError(f"world={self.world} must be a multiple of tp {self.tp} x sdp {self.sdp}")
+
+    @property
+    def replicas(self) -> int:
+        """Sharding groups of one TP rank: the replication degree."""
+        return 1 if self.world is None else self.world // (self.tp * self.sdp)
 
     @property
     def capacity(self) -> int | None:
@@ -169,6 +184,7 @@ class ReferenceRow:
             activation_checkpointing=True,
             activation_offloading=self.offload,
             device=INSTANCES[self.instance_type][1],
+            world=self.world,
         )
         return replace(base, **changes)
 
@@ -188,20 +204,23 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     c = DTYPE_BYTES[setup.precision]
     r = DTYPE_BYTES[setup.reduce_dtype]
     units = [math.ceil(n / setup.tp) for n in shape.unit_numels]  # TP splits every sharded unit
-    sharded = sum(math.ceil(n / setup.sdp) for n in units)
+    split = setup.replicas if setup.shard_optimizer_state else 1
+    owned = sum(math.ceil(n / (setup.sdp * split)) for n in units)  # this rank's piece of its shards
+    sharded = owned * split  # its shards, padded to a multiple of the replicas
     p = shape.persistent_numel
     mixed = c != 4
     parts = {
-        "model states: fp32 main parameters": 4 * (sharded + p),
+        "model states: fp32 main parameters": 4 * ((owned if mixed else sharded) + p),
         "model states: compute-dtype copies": c * (sharded + p) if mixed else 0,
-        "model states: fp32 gradients": 4 * (sharded + p),
-        "model states: optimizer state": OPTIMIZER_STATE_BYTES[setup.optimizer] * (sharded + p),
+        "model states: fp32 gradients": 4 * (owned + p),
+        "model states: optimizer state": OPTIMIZER_STATE_BYTES[setup.optimizer] * (owned + p),
         "model states: buffers": shape.buffer_bytes,
     }
     root, layers = (units[0], units[1:]) if units else (0, [])
     biggest = max(layers, default=0)
     parts["gathered units"] = c * _peak_live(root, layers, setup.max_live_parameters)
     parts["unit gradients"] = c * (root + biggest)
+    parts["shard gradients before their ReduceScatter"] = 4 * sharded if split > 1 else 0
     bucket = r * min(sum(units), setup.reduce_bucket_size + max(units, default=0))
     kept, working, logits = _activations(shape, setup, c)
     parts["activations kept for backward"] = kept
@@ -263,7 +282,7 @@ def smallest_fitting_sdp(shape: ModelShape, setup: Setup, world: int) -> Estimat
     if world % setup.tp:
         raise ValueError(f"tensor_parallel_degree={setup.tp} must divide the world size {world}")
     for sdp in divisors(world // setup.tp):
-        est = estimate(shape, replace(setup, sdp=sdp))
+        est = estimate(shape, replace(setup, sdp=sdp, world=world))
         if est.fits:
             return est
     return None
@@ -280,7 +299,7 @@ def alternatives(shape: ModelShape, setup: Setup, world: int, tps: Iterable[int]
             (True, False),
             (True, True),
         ):
-            variant = replace(setup, tp=tp, activation_checkpointing=ckpt, activation_offloading=offload)
+            variant = replace(setup, tp=tp, sdp=1, activation_checkpointing=ckpt, activation_offloading=offload)
             est = smallest_fitting_sdp(shape, variant, world)
             if est is not None and all(e.setup != est.setup for e in found):
                 found.append(est)

@@ -27,6 +27,7 @@ from shardpar.runtime.hooks import ModelHooks
 from shardpar.runtime.materialize import Materializer, check_nothing_materialised
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer, plan_buckets
+from shardpar.runtime.replica_shard import ReplicaShard, replica_comm
 from shardpar.runtime.schedule import LiveCounter, Scheduler
 from shardpar.runtime.sharded_tensor import ShardComm, ShardedTensor
 from shardpar.runtime.state import ShardedState
@@ -107,6 +108,8 @@ class DistributedModel(nn.Module):
             materialize=materialize,
         )
         self.live = LiveCounter()
+        # shard_optimizer_state ([Note: replica-sharded main], replica_shard.py); None when off or one replica
+        self.replicas = replica_comm(config.shard_optimizer_state, topology, engine)
         self.units = self._build_units(plans, materialize)
         self.scheduler = Scheduler(self.units, cap=config.sdp_max_live_parameters, live=self.live)
         self.reducer = GradReducer(
@@ -128,7 +131,9 @@ class DistributedModel(nn.Module):
             self.units,
             self.persistent,
             unit_of_persistent=unit_of_persistent,
-            comm=ShardComm(engine, topology.sharding, topology.tp),
+            comm=ShardComm(
+                engine, topology.rdp if self.sharded_state.replica_sharded else topology.sharding, topology.tp
+            ),
             tp_splits=tp_splits,
             tp_rank=topology.coords.tp_rank,
         )
@@ -194,7 +199,8 @@ class DistributedModel(nn.Module):
         for up in plans:
             # Units without sharded parameters are kept (they communicate nothing): their hooks still
             # hold the parameters they borrow (smp.register_parameter) and mark the start of backward.
-            layout = flat_layout([(n, tuple(p.shape)) for n, p in up.params], comm.sharding.size)
+            align = 1 if self.replicas is None else self.replicas.size  # each shard splits over the replicas
+            layout = flat_layout([(n, tuple(p.shape)) for n, p in up.params], comm.sharding.size, align=align)
             unit = Unit(
                 len(units),
                 up.name or "<root>",
@@ -206,6 +212,8 @@ class DistributedModel(nn.Module):
                 device=self.device,
             )
             unit.take_shards_from_params(materialize)
+            if self.replicas is not None:  # now, unit by unit: one unit's fp32 shard at a time beside the pieces
+                unit.replica = ReplicaShard(unit, self.replicas)
             units.append(unit)
         return units
 
@@ -234,7 +242,7 @@ class DistributedModel(nn.Module):
     def _on_forward_start(self) -> None:
         """The root's forward starts: main values a plain optimizer wrote reach the compute copies, and
         the rdp group's first rank's buffers reach every rank of it (runtime/buffers.py)."""
-        self.sharded_state.refresh_stale()
+        self.sharded_state.refresh_if_written()
         self.buffer_sync.sync()
 
     def _publish_grads(self, boundary: bool) -> None:

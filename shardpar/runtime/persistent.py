@@ -44,7 +44,6 @@ class PersistentParams:
             for p, off in zip(self.params, self.offsets, strict=True):
                 self.main[off : off + p.numel()].copy_(materialize(p).reshape(-1))
         self.compute = self.main if compute_dtype == torch.float32 else self.main.to(compute_dtype)
-        self._refreshed_at = self.main._version
         for p, off in zip(self.params, self.offsets, strict=True):
             set_param_data(p, self.compute[off : off + p.numel()].view(p.shape))
         self.main_grad: torch.Tensor | None = None
@@ -98,12 +97,6 @@ class PersistentParams:
         """After the optimizer stepped the fp32 main copy: update the compute-dtype copy."""
         if self.compute is not self.main:
             self.compute.copy_(self.main)
-            self._refreshed_at = self.main._version
-
-    def refresh_if_stale(self) -> None:
-        """Refresh the compute copy if the main copy was written since (see Unit.refresh_if_stale)."""
-        if self.compute is not self.main and self.main._version != self._refreshed_at:
-            self.refresh_compute()
 
     def load(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set the parameters `values` names, keyed by this table's names (one per parameter: a tied

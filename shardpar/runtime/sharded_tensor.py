@@ -47,7 +47,9 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class ShardComm:
-    """What a whole-tensor reduction needs: the engine and the groups a parameter is split over."""
+    """What a whole-tensor reduction needs: the engine and the groups a parameter is split over --
+    `sharding`, the group whose pieces of a parameter are disjoint (the sharding group; the rdp group
+    with shard_optimizer_state, whose owned pieces split each shard over the replicas too), and `tp`."""
 
     engine: Engine
     sharding: Group
@@ -71,6 +73,9 @@ class ShardLayout:
     comm: ShardComm
     tp: TPSplit | None = None
     tp_rank: int = 0
+    # Called when an op writes a tensor of this layout in place: the user parameters' layouts tell the
+    # sharded state that its main values changed (a plain optimizer step), so the compute copies refresh.
+    on_write: Callable[[], None] | None = None
 
     @property
     def whole(self) -> bool:
@@ -253,8 +258,17 @@ def _elementwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
         )
     out = func(*(_unwrap(a, layout, func) for a in args), **{k: _unwrap(v, layout, func) for k, v in kwargs.items()})
     if _is_inplace(func):
+        _written([args[0]])
         return args[0]
     return _wrap(out, layout)
+
+
+def _written(targets: Sequence[Any]) -> None:
+    """Tell the owners of the layouts an in-place op wrote (once each)."""
+    calls = {id(t._layout.on_write): t._layout.on_write for t in targets if isinstance(t, ShardedTensor)}
+    for call in calls.values():
+        if call is not None:
+            call()
 
 
 def _wrap(out: Any, layout: ShardLayout) -> Any:
@@ -281,6 +295,7 @@ def _foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             unwrapped.append(a)
     out = func(*unwrapped, **kwargs)
     if out is None:  # in place
+        _written(args[0])
         return None
     return [ShardedTensor(o, lay) if lay is not None else o for o, lay in zip(out, layouts, strict=True)]
 
@@ -300,7 +315,10 @@ def _whole_or_refuse(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         return v
 
     out = func(*(whole(a) for a in args), **{k: whole(v) for k, v in kwargs.items()})
-    return args[0] if _is_inplace(func) else out
+    if _is_inplace(func):
+        _written([args[0]])
+        return args[0]
+    return out
 
 
 def _refusal(func: Any, layout: ShardLayout) -> str:

@@ -33,18 +33,21 @@ nor stepped, as with plain PyTorch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
 from shardpar.runtime.persistent import PersistentParams
+from shardpar.runtime.replica_shard import ReplicaShard
 from shardpar.runtime.sharded_tensor import ShardComm, ShardedTensor, ShardLayout, sharded_parameter
 from shardpar.runtime.state import ShardedState
 from shardpar.runtime.unit import Unit
 from shardpar.sharding.tp_split import TPSplit
 
 _Location = tuple[nn.Module, str]
+_GradHolder = Unit | PersistentParams | ReplicaShard
 
 
 class UserParams:
@@ -66,6 +69,7 @@ class UserParams:
         self.pieces = state.pieces
         locations = _locations(root)
         self.user: list[ShardedTensor] = []  # in pieces order
+        self._grad_layouts: list[ShardLayout] = []
         self._by_unit: list[list[tuple[list[_Location], nn.Parameter, ShardedTensor]]] = [[] for _ in units]
         for piece in self.pieces:
             split = (tp_splits or {}).get(piece.fqn)
@@ -79,7 +83,10 @@ class UserParams:
                 comm=comm,
                 tp=split,
                 tp_rank=tp_rank,
+                on_write=state.mark_written,
             )
+            # the grads' layout tells no one: writing a grad does not change the parameters
+            self._grad_layouts.append(dataclasses.replace(layout, on_write=None))
             user = sharded_parameter(state.main(piece), layout, requires_grad=piece.param.requires_grad)
             self.user.append(user)
             state.add_user(piece, user)
@@ -157,7 +164,7 @@ class UserParams:
                 self._published[i] = None
                 continue
             if self._published[i] is None or user.grad is not self._published[i] or _stale(user.grad, grad):
-                user.grad = ShardedTensor(grad, user.shard_layout)
+                user.grad = ShardedTensor(grad, self._grad_layouts[i])
                 self._published[i] = user.grad
         return None
 
@@ -178,7 +185,7 @@ class UserParams:
                 self._adopt(i, holder, dropped)
         return dropped
 
-    def _adopt(self, i: int, holder: Unit | PersistentParams, dropped: set[int]) -> None:
+    def _adopt(self, i: int, holder: _GradHolder, dropped: set[int]) -> None:
         piece, user = self.pieces[i], self.user[i]
         grad = user.grad
         if grad is self._published[i] and grad is not None:
@@ -195,7 +202,7 @@ class UserParams:
             target.copy_(grad.local_piece.reshape(target.shape))
         else:
             target.copy_(user.shard_layout.piece_of(grad).reshape(target.shape))
-        user.grad = ShardedTensor(target, user.shard_layout)
+        user.grad = ShardedTensor(target, self._grad_layouts[i])
         self._published[i] = user.grad
 
     def clear_grads(self) -> None:
@@ -203,12 +210,21 @@ class UserParams:
             user.grad = None
             self._published[i] = None
 
-    def _holders(self) -> list[tuple[Unit | PersistentParams, list[int]]]:
+    def _holders(self) -> list[tuple[_GradHolder, list[int]]]:
+        """Each holder of the grads an optimizer steps, with the indices of its trainable pieces: a unit's
+        main grad, or with shard_optimizer_state its replica piece's (runtime/replica_shard.py); the
+        persistent one."""
         by_holder: dict[int, list[int]] = {}
         for i, piece in enumerate(self.pieces):
             if piece.param.requires_grad:
                 by_holder.setdefault(piece.unit, []).append(i)
-        return [(self._units[u] if u >= 0 else self._persistent, idx) for u, idx in by_holder.items()]
+        return [(self._stepped(u), idx) for u, idx in by_holder.items()]
+
+    def _stepped(self, unit: int) -> _GradHolder:
+        if unit < 0:
+            return self._persistent
+        holder = self._units[unit]
+        return holder.replica if holder.replica is not None else holder
 
 
 def _stale(published: torch.Tensor | None, grad: torch.Tensor) -> bool:

@@ -100,10 +100,10 @@ def surface_case(name: str) -> dict[str, Any]:
         smp.shutdown()
 
 
-def plain_optimizer_case(name: str, steps: int = 3) -> dict[str, Any]:
+def plain_optimizer_case(name: str, steps: int = 3, **knobs: Any) -> dict[str, Any]:
     """torch.optim.AdamW on model.parameters() (no DistributedOptimizer), p.dim() decay groups,
     torch.nn.utils.clip_grad_norm_, zero_grad: against the same script on one process."""
-    smp.init(dict(SHARD))
+    smp.init({**SHARD, **knobs})
     try:
         rank, world = smp.rank(), smp.size()
         model = smp.DistributedModel(BUILD[name]())
@@ -331,6 +331,9 @@ def run_surface_cases() -> dict[str, Any]:
 def run_training_cases() -> dict[str, Any]:
     return {
         **{f"plain_{name}": plain_optimizer_case(name) for name in BUILD},
+        # the optimizer state and main values split over the 2 replicas too (issue 23): a plain step
+        # writes this rank's piece, which the replicas' AllGather spreads before the next forward
+        "plain_neox_owned": plain_optimizer_case("neox", shard_optimizer_state=True),
         "kinds": optimizer_kinds_case(),
         "batchnorm": batchnorm_case(),
     }

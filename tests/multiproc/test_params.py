@@ -28,7 +28,7 @@ def test_parameters_look_like_the_models_own(ranks) -> None:
 
 def test_plain_torch_optimizer_and_clip_grad_norm_train_exactly(ranks) -> None:
     for rank, res in enumerate(ranks.run(4, cases.run_training_cases, timeout=600)):
-        for name in ("plain_neox", "plain_gpt2"):
+        for name in ("plain_neox", "plain_gpt2", "plain_neox_owned"):
             r = res[name]
             assert r["loss"] <= TOL and r["norm"] <= TOL and r["param"] <= TOL, (rank, name, r)
             assert r["grad_types"] == ["ShardedTensor"], r["grad_types"]

@@ -195,7 +195,8 @@ def test_cli_recommends_and_checks_the_reference(capsys: pytest.CaptureFixture[s
     assert "smallest sharded_data_parallel_degree that fits: 16" in out
     assert main(["estimate", "--reference"]) == 0
     out = capsys.readouterr().out
-    assert out.count("-> fits") == 4 and "tp 8 + offload" in out
+    rows = [line for line in out.splitlines() if line.startswith("  gpt-neox")]
+    assert sum("-> fits" in line for line in rows) == 4 and "tp 8 + offload" in out
     assert main(["estimate", "--params", "65e9", "--nodes", "1", "--batch", "8"]) == 1
     assert "nothing fits" in capsys.readouterr().out
 
@@ -269,3 +270,46 @@ def test_cli_says_plainly_when_no_alternative_fits(capsys: pytest.CaptureFixture
     assert main(["estimate", "--params", "20e9", "--nodes", "1"]) == 1
     out = capsys.readouterr().out
     assert "other choices" not in out and "nothing fits on 8 x a100-40gb" in out, out
+
+
+def test_shard_optimizer_state_splits_the_fp32_state_over_the_replicas(neox20b: est.ModelShape) -> None:
+    """Issue 23: with R replicas the fp32 master (mixed precision only: in fp32 the shard is the master),
+    main grads and Adam state are 1/R of the shard, each unit padded to a multiple of sdp x R; the compute
+    shard stays; a shard-sized main grad lives until the boundary ReduceScatter."""
+    shape = est.shape_from_num_params(4.07e8, hidden=2048, num_layers=8, num_heads=16, vocab=1000)
+    units, p = shape.unit_numels, shape.persistent_numel
+    for precision, c in (("bf16", 2), ("fp32", 4)):
+        setup = est.Setup(sdp=4, precision=precision, world=32, device="cpu")
+        off, on = est.estimate(shape, setup), est.estimate(shape, replace(setup, shard_optimizer_state=True))
+        owned = sum(math.ceil(n / 32) for n in units)  # sdp 4 x 8 replicas
+        master = 4 * owned if c == 2 else 4 * owned * 8
+        assert on.setup.replicas == 8 and off.setup.replicas == 8
+        assert on.parts["model states: fp32 main parameters"] == master + 4 * p
+        assert on.parts["model states: fp32 gradients"] == 4 * (owned + p)
+        assert on.parts["model states: optimizer state"] == 8 * (owned + p)
+        assert on.parts["model states: compute-dtype copies"] == (c * (owned * 8 + p) if c == 2 else 0)
+        assert on.parts["shard gradients before their ReduceScatter"] == 4 * owned * 8
+        assert off.parts.get("shard gradients before their ReduceScatter", 0) == 0
+        assert on.model_states < off.model_states / 2.5 and on.total < off.total
+    # one replica: nothing to split
+    one = est.Setup(sdp=32, precision="bf16", world=32, device="cpu")
+    assert est.estimate(shape, replace(one, shard_optimizer_state=True)).parts == est.estimate(shape, one).parts
+    # reference 003, 20B on 64 GPUs at sdp 32 (2 replicas): with the knob sdp 16 (4 replicas) fits already
+    row = est.REFERENCE_ROWS[1]
+    best = est.smallest_fitting_sdp(neox20b, row.setup(shard_optimizer_state=True), row.world)
+    assert best is not None and best.setup.sdp == 16 and best.setup.replicas == 4
+
+
+def test_cli_shows_the_shard_optimizer_state_saving(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--model", "gpt-neox-20b", "--nodes", "8", "--sdp", "32", "--activation-checkpointing"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main([*argv, "--shard-optimizer-state"]) == 0
+    knob = capsys.readouterr().out
+    assert "shard_optimizer_state" in knob and "shard gradients before their ReduceScatter" in knob
+    assert "shard gradients" not in plain
+    assert main(["estimate", "--reference"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    knob_lines = [line for line in lines if "with shard_optimizer_state" in line]
+    assert len(knob_lines) == len(est.REFERENCE_ROWS)
+    assert "(2 replicas): model states 10.8 -> 6.0 GiB" in knob_lines[1], knob_lines[1]
