@@ -1,8 +1,8 @@
 """Per-rank peak memory of training a Hugging Face GPT-NeoX, measured from outside (issue 19): shardpar,
 torch FSDP2 and DDP, beside `shardpar estimate`'s figure and the analytical floor.
 
-Each run spawns `--world` CPU ranks (gloo) that build the model and train `--steps` steps (AdamW, fp32,
-batch x seq random tokens); memory_ranks.py says how each framework is built. Per rank, from
+Each run spawns `--world` CPU ranks (gloo) that build the model and train `--steps` steps (AdamW,
+fp32 unless --precision, batch x seq random tokens); memory_ranks.py says how each framework is built. Per rank, from
 /proc/self/status (MiB): `baseline` (RSS before the model exists), `build` (VmHWM at the end of
 building model and optimizer), the VmHWM of each phase (reset through /proc/self/clear_refs),
 `states` (RSS at the end of a backward: model states and their gradients) and `peak` (the lifetime
@@ -52,6 +52,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1024.0  # MiB
 # name -> (hidden, layers, heads, intermediate, vocab); all GPT-NeoX with untied embeddings
 MODELS: dict[str, tuple[int, int, int, int, int]] = {
+    "small": (256, 4, 4, 1024, 50304),  # 29.0M, most of it the embeddings (bench_replica_shard.py)
     "25m": (512, 8, 8, 2048, 1024),  # 26.3M: bench_step's 25m (embeddings below the persistence threshold)
     "168m": (768, 12, 12, 3072, 50304),  # 162.3M, 77M of it the two embeddings
     "563m": (1024, 36, 16, 4096, 50304),  # 556.5M
@@ -138,7 +139,9 @@ def predicted(case: Any, baseline_mib: float) -> dict[str, float]:
         sdp=case.sdp,
         batch=case.batch,
         seq=case.seq,
-        precision="fp32",
+        precision=case.precision,
+        shard_optimizer_state=case.shard_optimizer_state,
+        world=case.world,
         activation_checkpointing=case.checkpointing,
         reduce_bucket_size=case.bucket,
         max_live_parameters=case.max_live,
@@ -175,7 +178,7 @@ def report(row: dict[str, Any]) -> None:
     c = row["case"]
     print(
         f"{row['label']} {c['framework']}: GPT-NeoX {c['hidden']}x{c['layers']} vocab {c['vocab']} "
-        f"({row['numel'] / 1e6:.1f}M parameters), {c['world']} ranks, sdp {c['sdp']}, fp32, batch "
+        f"({row['numel'] / 1e6:.1f}M parameters), {c['world']} ranks, sdp {c['sdp']}, {c['precision']}, batch "
         f"{c['batch']}x{c['seq']}, {c['steps']} steps, bucket {c['bucket']:.3g}, checkpointing {c['checkpointing']}, "
         f"MALLOC_MMAP_THRESHOLD_={row['mmap_threshold'] or 'unset'}"
     )
@@ -214,7 +217,8 @@ def case_from(args: argparse.Namespace, model: str, *, framework: str, sdp: int,
         framework=framework, hidden=hidden, layers=layers or depth, heads=heads, intermediate=inter, vocab=vocab,
         world=world, sdp=sdp, batch=args.batch, seq=args.seq, steps=args.steps, bucket=int(args.bucket),
         max_live=int(args.max_live), checkpointing=args.checkpointing, backend=args.backend,
-        persistence=int(args.persistence_threshold),
+        persistence=int(args.persistence_threshold), precision=args.precision,
+        shard_optimizer_state=args.shard_optimizer_state,
     )  # fmt: skip
 
 
@@ -285,7 +289,7 @@ def capacity(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--framework", choices=("shardpar", "fsdp2", "ddp"), default="shardpar")
     ap.add_argument("--model", choices=sorted(MODELS), default="168m")
@@ -300,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="auto", help="ddp_dist_backend")
     ap.add_argument("--persistence-threshold", type=float, default=1e6, help="sdp_param_persistence_threshold")
     ap.add_argument("--checkpointing", action="store_true", help="HF gradient checkpointing (non-reentrant)")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="shardpar's precision")
+    ap.add_argument("--shard-optimizer-state", action="store_true", help="the shard_optimizer_state knob")
     ap.add_argument("--mmap-threshold", type=int, default=0, help="MALLOC_MMAP_THRESHOLD_ for the ranks (bytes)")
     ap.add_argument("--rev", default=None, help="git revision of shardpar to measure instead of the checkout")
     ap.add_argument("--calibrate", action="store_true", help="run the estimator's calibration matrix")
@@ -308,7 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--confirm", action="store_true", help="--capacity: run the predicted largest model")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--timeout", type=float, default=1800.0)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.mmap_threshold:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # inherited by the spawned ranks
     command = "benchmarks/bench_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -50,8 +50,9 @@ from typing import Any
 
 from spawn_ranks import collect, free_port  # benchmarks/, on the path when run as a script
 
-FRAMEWORKS = ("shardpar", "fsdp2", "deepspeed", "plain", "shardpar-native")
-# shardpar-native = shardpar on ddp_dist_backend "nccl" (gloo here), for the smddp-vs-native step; opt-in.
+FRAMEWORKS = ("shardpar", "fsdp2", "deepspeed", "plain", "shardpar-native", "shardpar-compile")
+# shardpar-native = shardpar on ddp_dist_backend "nccl" (gloo here), for the smddp-vs-native step;
+# shardpar-compile = shardpar under torch.compile (inductor; --warmup must cover the compilation). Opt-in.
 DEFAULT_FRAMEWORKS = FRAMEWORKS[:4]
 MODELS = ("small", "25m")  # step_setups.MODELS (not imported here: it imports torch)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -45,6 +45,8 @@ class MemCase:
     checkpointing: bool = False  # HF gradient checkpointing, non-reentrant
     backend: str = "auto"  # ddp_dist_backend (shardpar)
     persistence: int = int(1e6)  # sdp_param_persistence_threshold (shardpar)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (shardpar)
+    shard_optimizer_state: bool = False  # (shardpar)
 
 
 def status_mib(key: str) -> float:
@@ -159,6 +161,8 @@ def _init(case: MemCase) -> None:
                 "sdp_max_live_parameters": case.max_live,
                 "ddp_dist_backend": case.backend,
                 "sdp_param_persistence_threshold": case.persistence,
+                "shard_optimizer_state": case.shard_optimizer_state,
+                **({} if case.precision == "fp32" else {case.precision: True}),
             }
         )
     else:
@@ -235,5 +239,6 @@ def run_rank(case: MemCase, rank: int) -> dict[str, Any]:
         "peak": max(build, *phases.values()),
         "build_s": build_s,
         "step_s": sorted(step_s)[len(step_s) // 2],
+        "steps_s": step_s,
         "pid": os.getpid(),
     }

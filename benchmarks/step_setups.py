@@ -85,8 +85,9 @@ def _init_gloo(case: Case) -> Callable[[], None]:
     return _destroy_gloo
 
 
-def setup_shardpar(case: Case, *, backend: str = "auto") -> tuple[Step, Callable[[], None]]:
-    """shardpar with its defaults; `backend` = ddp_dist_backend ("auto" is the smddp engine on CPU)."""
+def setup_shardpar(case: Case, *, backend: str = "auto", compile: bool = False) -> tuple[Step, Callable[[], None]]:
+    """shardpar with its defaults; `backend` = ddp_dist_backend ("auto" is the smddp engine on CPU);
+    `compile`: torch.compile (inductor) of the wrapped model (the warm-up steps absorb the compilation)."""
     import shardpar as smp
 
     smp.init(
@@ -100,9 +101,10 @@ def setup_shardpar(case: Case, *, backend: str = "auto") -> tuple[Step, Callable
     )
     model = smp.DistributedModel(build_model(case.model, case.seq))
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR))
+    run = torch.compile(model) if compile else model
 
     def step(batch: Batch) -> torch.Tensor:
-        loss = model(**batch).loss
+        loss = run(**batch).loss
         _mark()
         model.backward(loss)
         _mark()
@@ -181,6 +183,7 @@ SETUPS = {
     "deepspeed": setup_deepspeed,
     "plain": setup_plain,
     "shardpar-native": functools.partial(setup_shardpar, backend="nccl"),  # gloo on CPU
+    "shardpar-compile": functools.partial(setup_shardpar, compile=True),
 }
 
 

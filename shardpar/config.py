@@ -46,7 +46,11 @@ class Config:
     sharded_data_parallel_degree: int = _knob(1, "ranks a parameter is sharded over", minimum=1)
     tensor_parallel_degree: int = _knob(1, "ranks a layer is split over (TP groups form first)", minimum=1)
     pipeline_parallel_degree: int = _knob(1, "must be 1: MiCS does not compose with pipelines", minimum=1)
-    shard_optimizer_state: bool = _knob(False, "must be False (sdp > 1 shards the optimizer state)")
+    shard_optimizer_state: bool = _knob(
+        False,
+        "each rank of a replication group owns 1/replicas of its shard's fp32 main values, main grads and "
+        "optimizer state (1/(sdp x replicas) of the model's); at sdp 1 ZeRO-2 data parallelism",
+    )
     sdp_reduce_bucket_size: int = _knob(
         int(5e8), "elements per gradient ReduceScatter bucket", minimum=0, exclusive=True
     )
@@ -65,6 +69,12 @@ class Config:
         False, "the wrapped model must still be on meta (smp.delay_param_initialization()): ranks build only shards"
     )
     microbatches: int = _knob(1, "smp.step splits the batch into this many micro-batches", minimum=1)
+    offload_activations: bool = _knob(
+        False, "inputs kept by activation checkpoints leave the device after forward (api/activation_offload.py)"
+    )
+    activation_loading_horizon: int = _knob(
+        4, "offloaded checkpoints reloaded this many checkpoints ahead of their backward", minimum=1
+    )
     # shardpar's own knobs (not in the reference).
     ranks_per_node: int | None = _knob(None, "ranks per host; None = LOCAL_WORLD_SIZE", minimum=1)
     collective_timeout_s: float = _knob(
@@ -158,7 +168,6 @@ class Config:
     # ---- rules -------------------------------------------------------------------------------
 
     def _check_rules(self) -> None:
-        sdp = self.sharded_data_parallel_degree
         if self.fp16 and self.bf16:
             raise ValueError("fp16=True and bf16=True were both set; choose one mixed-precision mode")
         if self.ddp_dist_backend not in ENGINE_CHOICES:
@@ -177,24 +186,11 @@ class Config:
                 f"sdp_reduce_dtype={self.sdp_reduce_dtype!r} needs {self.sdp_reduce_dtype}=True (compute dtype is "
                 f"{compute}); reduce in 'fp32' or in the compute dtype"
             )
-        # Both knobs are accepted for SageMaker compatibility at their defaults only: shardpar has no
-        # pipeline, and no optimizer-state sharding apart from sharded data parallelism (at sdp 1 they
-        # would be ignored silently).
+        # Accepted for SageMaker compatibility at its default only: shardpar has no pipeline.
         if self.pipeline_parallel_degree > 1:
             raise ValueError(
                 f"pipeline_parallel_degree={self.pipeline_parallel_degree}: shardpar has no pipeline parallelism "
                 "(reference 003: sharded data parallelism does not compose with it); set pipeline_parallel_degree=1"
-            )
-        if self.shard_optimizer_state:
-            fix = (
-                "the optimizer state is already sharded by sharded data parallelism"
-                if sdp > 1
-                else "to shard the optimizer state, use sharded_data_parallel_degree > 1 (it shards parameters and "
-                "gradients too)"
-            )
-            raise ValueError(
-                f"shard_optimizer_state=True with sharded_data_parallel_degree={sdp}: {fix}; set "
-                "shard_optimizer_state=False"
             )
         if self.tensor_parallel_degree > 1 and not self.prescaled_batch:
             # without it every TP rank would train on its own data, and nothing reduces gradients over TP

@@ -62,13 +62,6 @@ NO_EFFECT: dict[str, _Rule] = {
     ),
     "contiguous": _Rule(_bool, "true or false", "a TensorFlow partitioning option; shardpar is PyTorch"),
     "ddp_port": _Rule(_count(1), "a port number", "the launcher (torchrun's MASTER_PORT) chooses the port"),
-    "offload_activations": _Rule(
-        _bool,
-        "true or false",
-        "activation offloading is not implemented yet: checkpointed activations stay on the device "
-        "(results are the same; memory is not saved)",
-    ),
-    "activation_loading_horizon": _Rule(_count(1), "an integer >= 1", "it tunes offload_activations (see there)"),
 }
 
 # v1 names of shardpar knobs (the values mean the same).

@@ -42,14 +42,14 @@ def mlp_batch(seed: int, n: int) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(n, 13, generator=g), "y": torch.randint(0, 5, (n,), generator=g)}
 
 
-def tiny_neox(seed: int = 0) -> nn.Module:
+def tiny_neox(seed: int = 0, layers: int = 2) -> nn.Module:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(seed)
     cfg = GPTNeoXConfig(
         vocab_size=96,
         hidden_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         intermediate_size=48,
         max_position_embeddings=64,

@@ -266,6 +266,9 @@ def model_state_bytes(model: Any, optimizer: Any) -> int:
     tensors += list(model.module.buffers())
     for u in model.units:
         tensors += [u.main_shard, u.main_grad, getattr(u, "_full", None), getattr(u, "_compute_shard", None)]
+        replica = getattr(u, "replica", None)  # shard_optimizer_state: this rank's piece
+        if replica is not None:
+            tensors += [replica.main, replica.main_grad]
     tensors += [model.persistent.main, model.persistent.compute, model.persistent.main_grad]
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -314,7 +317,10 @@ def _estimated_model_states(job: _Job) -> int:
 
     cfg = smp.get_config()
     shape = estimate.shape_from_hf_config(job.hf_config, persistence_threshold=cfg.sdp_param_persistence_threshold)
-    setup = estimate.Setup(sdp=smp.sdp_size(), tp=smp.tp_size(), precision=job.opts.precision, device="cpu")
+    setup = estimate.Setup(
+        sdp=smp.sdp_size(), tp=smp.tp_size(), precision=job.opts.precision, device="cpu",
+        shard_optimizer_state=cfg.shard_optimizer_state, world=smp.size(),
+    )  # fmt: skip
     return estimate.estimate(shape, setup).model_states
 
 

@@ -3,6 +3,7 @@
 `shardpar/__init__.py` re-exports what users call."""
 
 from shardpar.api.activation_checkpointing import set_activation_checkpointing
+from shardpar.api.context import V1_STATE as state
 from shardpar.api.context import (
     CommGroup,
     allgather,
@@ -38,13 +39,20 @@ from shardpar.api.groups import (
     TP_GROUP,
     WORLD,
     RankType,
+    dp_barrier,
+    get_dp_group,
     get_dp_process_group,
+    get_mp_group,
     get_mp_process_group,
+    get_pp_group,
     get_pp_process_group,
+    get_rdp_group,
     get_rdp_process_group,
+    get_tp_group,
     get_tp_process_group,
     get_world_process_group,
     is_tracing,
+    mp_barrier,
     mp_rank,
     mp_size,
     pp_rank,
@@ -52,6 +60,7 @@ from shardpar.api.groups import (
 )
 from shardpar.api.memory import memory_metrics
 from shardpar.api.p2p import broadcast, recv_from, send
+from shardpar.api.partition import partition, set_partition
 from shardpar.api.save import load, save
 from shardpar.api.step import StepOutput
 from shardpar.api.training import (
@@ -62,6 +71,7 @@ from shardpar.api.training import (
     register_parameter,
     resume_from_checkpoint,
     save_checkpoint,
+    set_tensor_parallelism,
     step,
     tensor_parallelism,
 )
@@ -84,15 +94,21 @@ __all__ = [
     "comm_stats",
     "delay_param_initialization",
     "device",
+    "dp_barrier",
     "dp_rank",
     "dp_size",
     "get_config",
+    "get_dp_group",
     "get_dp_process_group",
     "get_engine",
+    "get_mp_group",
     "get_mp_process_group",
+    "get_pp_group",
     "get_pp_process_group",
+    "get_rdp_group",
     "get_rdp_process_group",
     "get_topology",
+    "get_tp_group",
     "get_tp_process_group",
     "get_world_process_group",
     "init",
@@ -103,8 +119,10 @@ __all__ = [
     "local_size",
     "memory_metrics",
     "model_creation",
+    "mp_barrier",
     "mp_rank",
     "mp_size",
+    "partition",
     "pp_rank",
     "pp_size",
     "rank",
@@ -122,8 +140,11 @@ __all__ = [
     "sdp_size",
     "send",
     "set_activation_checkpointing",
+    "set_partition",
+    "set_tensor_parallelism",
     "shutdown",
     "size",
+    "state",
     "step",
     "tensor_parallelism",
     "tp_rank",

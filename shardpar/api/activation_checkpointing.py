@@ -13,6 +13,10 @@ On an `nn.ModuleList` / `nn.Sequential` the strategy says which children share a
     group_N      N consecutive children under one checkpoint (checkpoint_group.py); of a group only the
                  inputs of its first child are kept, the rest is recomputed from them
     contiguous   all children under one checkpoint
+
+With `offload_activations` in the config, what each checkpoint keeps leaves the device after forward
+(activation_offload.py); 'each' then runs through the group machinery with groups of one, since
+torch.utils.checkpoint keeps its inputs where no one can move them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardpar.api.checkpoint_group import GroupCheckpoint
+from shardpar.api.checkpoint_group import GroupCheckpoint, GroupFrame
+from shardpar.api.context import activation_offloader
 from shardpar.sharding.plan import CHECKPOINTED_BASE
 
 _STRATEGIES = "'each', 'contiguous' or 'group_N' with an integer N >= 2 (e.g. 'group_2')"
@@ -62,6 +67,10 @@ def _each(preserve_rng_state: bool) -> _Call:
         run = base_call(module)
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
+        offloader = activation_offloader()
+        if offloader is not None:
+            frame = GroupFrame(preserve_rng_state=preserve_rng_state, offloader=offloader)
+            return frame.run(0, module, run, args, kwargs)
         # Inside another checkpoint's recomputation this checkpoints again, as torch's nested checkpoints
         # do: the outer region saved none of this call's tensors in forward, so it must save none now.
         # kwargs ride in the function, not through checkpoint(): names such as `debug` or `context_fn`
@@ -173,7 +182,9 @@ def set_activation_checkpointing(
         if len(group) == 1:
             _install(group[0], _Installed(setting, _each(preserve_rng_state)), classes)
             continue
-        checkpointed = GroupCheckpoint(group, preserve_rng_state=preserve_rng_state, base_call=base_call)
+        checkpointed = GroupCheckpoint(
+            group, preserve_rng_state=preserve_rng_state, base_call=base_call, find_offloader=activation_offloader
+        )
         for i, member in enumerate(group):
             _install(member, _Installed(setting, checkpointed.member_call(i)), classes)
 
@@ -181,3 +192,47 @@ def set_activation_checkpointing(
 def _install(module: nn.Module, installed: _Installed, classes: dict[type, type]) -> None:
     module.__dict__[_ATTR] = installed
     _swap_class(module, classes)
+
+
+# ---- SMP v1's functional forms (smdistributed.modelparallel.torch.patches.checkpoint) ------------
+
+
+def checkpoint_call(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -> Any:
+    """v1's `checkpoint(module, *args, preserve_rng_state=True)`: this one call of `module` under an
+    activation checkpoint (offloaded with `offload_activations`). The module's hooks run again in the
+    recomputation, so a sharded unit is gathered again. v1 took modules only, not functions."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"checkpoint needs an nn.Module (SMP v1 checkpoints modules), got {type(module).__name__}")
+    _check_flags(preserve_rng_state, False)
+    if not torch.is_grad_enabled():
+        return module(*args)
+    offloader = activation_offloader()
+    if offloader is not None:
+        return GroupFrame(preserve_rng_state=preserve_rng_state, offloader=offloader).run(
+            0, module, module.__call__, args, {}
+        )
+    return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+
+
+def checkpoint_sequential(
+    sequential_module: nn.Sequential,
+    input: Any,
+    strategy: str = "each",
+    preserve_rng_state: bool = True,
+    pack_args_as_tuple: bool = False,
+) -> Any:
+    """v1's `checkpoint_sequential`: run `sequential_module` on `input` with its children grouped by
+    `strategy` ('each', 'group_N', 'contiguous'), each group under one checkpoint (checkpoint_group.py).
+    `pack_args_as_tuple` is accepted and changes nothing: a tuple input reaches the first child whole."""
+    if not isinstance(sequential_module, nn.Sequential):
+        raise TypeError(f"checkpoint_sequential needs an nn.Sequential, got {type(sequential_module).__name__}")
+    _check_flags(preserve_rng_state, pack_args_as_tuple)
+    size = _group_size(strategy)
+    children = list(sequential_module)
+    size = len(children) if size is None else size
+    out = input
+    for start in range(0, len(children), size):
+        frame = GroupFrame(preserve_rng_state=preserve_rng_state, offloader=activation_offloader())
+        for i, child in enumerate(children[start : start + size]):
+            out = frame.run(i, child, child.__call__, (out,), {}) if torch.is_grad_enabled() else child(out)
+    return out

@@ -21,11 +21,15 @@ attention mask shared by every layer) are kept from forward: that is the group's
 runs twice per step, as under one torch checkpoint. The calls of a group must come in order within one
 forward; a call out of order (a skipped child, a slice of the list) starts a new frame there, which is
 exact and only keeps more.
+
+With `offload_activations` the kept inputs leave the device after each call's forward and come back
+ahead of the recomputation (activation_offload.py, [Note: activation offloading]).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import uuid
 import weakref
@@ -38,6 +42,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
+
+from shardpar.api.activation_offload import ActivationOffloader, OffloadedTensor
 
 
 class _Slot:
@@ -60,7 +66,7 @@ class _Held:
     graph may lead back into this group, whose saved tensors' hooks hold the frame -- a cycle through
     C++ autograd nodes that Python's collector cannot free when no backward comes."""
 
-    value: Any
+    value: Any  # an OffloadedTensor once offloaded
     version: int | None  # a tensor's version counter when the call got it
     requires_grad: bool = False
 
@@ -106,8 +112,9 @@ def _tensor_leaves(obj: Any) -> list[torch.Tensor]:
 class GroupFrame:
     """The checkpoint of one forward's calls of one group ([Note: group checkpoints])."""
 
-    def __init__(self, *, preserve_rng_state: bool) -> None:
+    def __init__(self, *, preserve_rng_state: bool, offloader: ActivationOffloader | None = None) -> None:
         self.preserve_rng_state = preserve_rng_state
+        self.offloader = offloader
         self.calls: list[_RecordedCall] = []
         self.last_member = -1
         # Per graph task, recomputed tensors by key; an entry goes when its slot's key does (unpacked,
@@ -126,7 +133,39 @@ class GroupFrame:
             out = run(*args, **kwargs)
         call.outputs = [(weakref.ref(t), t._version) for t in _tensor_leaves(out)]
         self.last_member = member
+        # Not inside a backward: a checkpoint met in another one's recomputation is recomputed at once.
+        if self.offloader is not None and torch._C._current_graph_task_id() == -1:
+            self._offload(call)
         return out
+
+    def _offload(self, call: _RecordedCall) -> None:
+        """Replace the call's kept activations by host copies ([Note: activation offloading]). An input
+        already modified in place stays as it is: the recomputation then raises, as it would without."""
+        offloader = self.offloader
+        if offloader is None:
+            raise AssertionError("_offload without an offloader")
+        done: dict[tuple[Any, ...], OffloadedTensor] = {}  # one copy of an input passed twice
+        for i, item in enumerate(call.inputs):
+            if not isinstance(item, _Held) or not item.requires_grad:
+                continue
+            t = item.value
+            if not isinstance(t, torch.Tensor) or t._version != item.version:
+                continue
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
+            handle = done.get(key) or offloader.offload(t)
+            done[key] = handle
+            call.inputs[i] = dataclasses.replace(item, value=handle)
+        if done:
+            offloader.offloaded(self, call.module)
+
+    @property
+    def label(self) -> nn.Module:
+        return self.calls[0].module
+
+    def reload(self) -> int:
+        """Start reloading every offloaded input; the number of copies started now."""
+        handles = {id(i.value): i.value for c in self.calls for i in c.inputs if isinstance(i, _Held)}
+        return sum(h.start_reload() for h in handles.values() if isinstance(h, OffloadedTensor))
 
     def _record(self, module: nn.Module, run: Callable[..., Any], leaves: list[Any], spec: Any) -> _RecordedCall:
         previous = self.calls[-1].outputs if self.calls else []
@@ -172,6 +211,8 @@ class GroupFrame:
         if gid == -1:
             gid = uuid.uuid4().int  # an unpack outside backward: recompute for it alone
         if gid not in self.recomputed_for:
+            if self.offloader is not None:
+                self.offloader.before_recompute(self)
             self._recompute(gid)
             self.recomputed_for.add(gid)
         key = slot.keys.get(gid)
@@ -212,6 +253,8 @@ class GroupFrame:
                 )
             return previous[item.index]
         value = item.value
+        if isinstance(value, OffloadedTensor):  # its version was checked when it was offloaded
+            return value.wait().detach().requires_grad_(item.requires_grad)
         if item.version is None:
             return value
         if value._version != item.version:
@@ -271,11 +314,17 @@ class GroupCheckpoint:
     """The `__call__` of every member of one group: consecutive calls in one forward share a frame."""
 
     def __init__(
-        self, members: list[nn.Module], *, preserve_rng_state: bool, base_call: Callable[[nn.Module], Any]
+        self,
+        members: list[nn.Module],
+        *,
+        preserve_rng_state: bool,
+        base_call: Callable[[nn.Module], Any],
+        find_offloader: Callable[[], ActivationOffloader | None],
     ) -> None:
         self._size = len(members)
         self._preserve_rng_state = preserve_rng_state
         self._base_call = base_call
+        self._find_offloader = find_offloader  # read at each forward: smp.init may come after checkpointing
         # The frame of the forward under way, while its next member may still come. Weak: the graph
         # keeps a frame alive (through its slots' unpack hook), nothing else should.
         self._open: weakref.ref[GroupFrame] | None = None
@@ -293,7 +342,7 @@ class GroupCheckpoint:
             return run(*args, **kwargs)
         frame = self._open() if self._open is not None else None
         if frame is None or frame.last_member != member - 1:
-            frame = GroupFrame(preserve_rng_state=self._preserve_rng_state)
+            frame = GroupFrame(preserve_rng_state=self._preserve_rng_state, offloader=self._find_offloader())
         out = frame.run(member, module, run, args, kwargs)
         self._open = weakref.ref(frame) if member + 1 < self._size else None
         return out

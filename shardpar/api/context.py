@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardpar.api.activation_offload import ActivationOffloader
 from shardpar.collectives import CommStats, CountingEngine, Engine, Group, make_engine
 from shardpar.collectives.native import all_gather_object, broadcast_object
 from shardpar.config import Config
@@ -62,6 +63,7 @@ class _State:
     pp_group: Any = None  # smp.get_pp_process_group(): this rank alone, made on first use (api/groups.py)
     p2p_sent: dict[int, int] = dataclasses.field(default_factory=dict)  # messages sent to each global rank
     p2p_received: dict[int, int] = dataclasses.field(default_factory=dict)  # messages taken from each
+    offloader: ActivationOffloader | None = None  # offload_activations: what checkpoints keep leaves the device
 
 
 _STATE: _State | None = None
@@ -110,6 +112,8 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         )
     )
     _STATE = _State(cfg, the_plan, topology, engine, owns, local_rank, local_size, device)
+    if cfg.offload_activations:
+        _STATE.offloader = ActivationOffloader(cfg.activation_loading_horizon)
     if cfg.v1_notes and rank == 0:
         warnings.warn(v1_warning_text(cfg.v1_notes), stacklevel=2)
     return cfg
@@ -159,6 +163,23 @@ def shutdown() -> None:
 
 def is_initialized() -> bool:
     return _STATE is not None
+
+
+class _V1State:
+    """SMP v1's `smp.state`, for what scripts (and transformers' v1 integration) read from it:
+    `smp.state.cfg`, the config (`smp.state.cfg.sharded_data_parallel_degree`, `.fp16`, ...)."""
+
+    @property
+    def cfg(self) -> Config:
+        return state().config
+
+
+V1_STATE = _V1State()
+
+
+def activation_offloader() -> ActivationOffloader | None:
+    """The offloader checkpoints hand what they keep to, or None (offload_activations off, or no init)."""
+    return _STATE.offloader if _STATE is not None else None
 
 
 def _local_rank_and_size(rank: int, world: int) -> tuple[int, int]:

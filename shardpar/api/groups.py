@@ -15,7 +15,7 @@ import enum
 
 import torch.distributed as dist
 
-from shardpar.api.context import CommGroup, rank, size, state, tp_rank, tp_size
+from shardpar.api.context import CommGroup, barrier, rank, size, state, tp_rank, tp_size
 from shardpar.collectives import Group
 
 
@@ -118,3 +118,36 @@ PP_GROUP = CommGroup.PP_GROUP
 TP_GROUP = CommGroup.TP_GROUP
 MP_GROUP = CommGroup.MP_GROUP
 RDP_GROUP = CommGroup.RDP_GROUP
+
+
+# SMP v1's group queries that return global ranks (lists), not process groups.
+def get_mp_group() -> list[int]:
+    """The ranks that hold one model replica together (tp x pp = the TP group)."""
+    return list(group_ranks("tp"))
+
+
+def get_tp_group() -> list[int]:
+    return list(group_ranks("tp"))
+
+
+def get_pp_group() -> list[int]:
+    return list(group_ranks("pp"))
+
+
+def get_dp_group() -> list[int]:
+    """The ranks that hold the same model partition: every rank (pipeline_parallel_degree is 1)."""
+    return list(group_ranks("world"))
+
+
+def get_rdp_group() -> list[int]:
+    return list(group_ranks("rdp"))
+
+
+def dp_barrier() -> None:
+    """`smp.barrier(smp.DP_GROUP)`."""
+    barrier(CommGroup.DP_GROUP)
+
+
+def mp_barrier() -> None:
+    """`smp.barrier(smp.MP_GROUP)`."""
+    barrier(CommGroup.MP_GROUP)

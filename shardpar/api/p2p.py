@@ -71,7 +71,10 @@ def _wait_for_ack(store: dist.Store, ack: str, theirs: str, dest: int, what: str
     deadline = time.monotonic() + timeout
     pause = 0.0005
     while not store.check([ack]):
-        if store.check([theirs]):
+        # Read ack again after seeing theirs: a receiver that took the object and then started sending
+        # to us posts its ack first, so that ack is visible now, while between our two reads it may not
+        # have been (the race a loaded machine shows).
+        if store.check([theirs]) and not store.check([ack]):
             raise ValueError(
                 f"{what}: global rank {dest} is sending to this rank while this rank sends to it, so each waits "
                 "for the other's smp.recv_from. SMP v1's smp.broadcast(obj, group) is called by the sender alone, "

@@ -1,12 +1,12 @@
 """`@smp.step`: split a batch into micro-batches, run the step function on each, collect outputs.
 
 Tensors (also inside mappings, lists and tuples, namedtuples included) are split along dim 0 into
-`microbatches` equal pieces, each container rebuilt as its own type where it can be; everything else
-is passed unchanged. While the step runs, each micro-batch's gradient is added into the main grads
-times 1/microbatches (whether the step calls `model.backward(loss)` or a plain `loss.backward()`;
-see [Note: micro-batch averaging] in model.py) and the accumulation boundary falls after the last
-micro-batch, so the gradients are the average over micro-batches -- the same as one backward on the
-whole batch.
+`microbatches` equal pieces, each container rebuilt as its own type where it can be; an object with
+SMP v1's `smp_slice(num_mb, mb, axis)` method is split by it; everything else is passed unchanged.
+While the step runs, each micro-batch's gradient is added into the main grads times 1/microbatches
+(whether the step calls `model.backward(loss)` or a plain `loss.backward()`; see [Note: micro-batch
+averaging] in model.py) and the accumulation boundary falls after the last micro-batch, so the
+gradients are the average over micro-batches -- the same as one backward on the whole batch.
 """
 
 from __future__ import annotations
@@ -107,7 +107,11 @@ def check_not_empty(args: tuple[Any, ...], kwargs: Mapping[str, Any], rank: int 
 
 
 def split_batch(obj: Any, num: int, axis: int = 0) -> list[Any]:
-    """`num` micro-batches of `obj` (tensors split on `axis`; containers recursed; others repeated)."""
+    """`num` micro-batches of `obj` (tensors split on `axis`; containers recursed; objects with SMP v1's
+    `smp_slice(num_mb, mb, axis)` sliced by it; others repeated)."""
+    smp_slice = getattr(obj, "smp_slice", None)
+    if smp_slice is not None and not isinstance(obj, torch.Tensor) and callable(smp_slice):
+        return [smp_slice(num, i, axis) for i in range(num)]
     if isinstance(obj, torch.Tensor) and obj.dim() > axis:
         if obj.shape[axis] % num:
             raise ValueError(

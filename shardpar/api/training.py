@@ -21,6 +21,7 @@ from shardpar.api.step import StepOptions, StepOutput, make_step
 from shardpar.optim.loss_scaling import make_loss_scaler
 from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
 from shardpar.runtime.model import DistributedModel as _DistributedModel
+from shardpar.runtime.model import refuse_nested
 from shardpar.sharding.deferred_init import deferred_init
 from shardpar.sharding.plan import WrapPolicy
 from shardpar.tensor_parallel.layers import TPLayer, tp_split_table
@@ -47,7 +48,6 @@ _V1_MODEL_ARGS: dict[str, tuple[tuple[type, ...], str]] = {
     "trace_memory_usage": ((bool,), "true or false"),
     "overlapping_allreduce": ((bool,), "true or false"),
     "bucket_cap_mb": ((int, float), "a number of MB > 0"),
-    "broadcast_buffers": ((bool,), "true or false"),
     "gradient_as_bucket_view": ((bool,), "true or false"),
 }
 
@@ -57,7 +57,8 @@ def _check_v1_model_args(args: dict[str, Any]) -> None:
         if name not in _V1_MODEL_ARGS:
             raise TypeError(
                 f"smp.DistributedModel got an unexpected keyword argument {name!r}; it takes backward_passes_per_step, "
-                f"wrap, tensor_parallelism, average_grads_across_microbatches and v1's {sorted(_V1_MODEL_ARGS)}"
+                f"wrap, tensor_parallelism, average_grads_across_microbatches, broadcast_buffers and v1's "
+                f"{sorted(_V1_MODEL_ARGS)}"
             )
         types, valid = _V1_MODEL_ARGS[name]
         ok = isinstance(value, types) and (not isinstance(value, bool) or bool in types)
@@ -73,6 +74,7 @@ def DistributedModel(
     wrap: WrapPolicy = None,
     tensor_parallelism: bool = False,
     average_grads_across_microbatches: bool = True,
+    broadcast_buffers: bool = True,
     **v1_args: Any,
 ) -> _DistributedModel:
     """Shard `module` over the sharding group (reference 003); returns the wrapped model.
@@ -81,9 +83,13 @@ def DistributedModel(
     Face model's blocks and embeddings are first split in place over the TP group; each TP rank then
     shards its local parameters inside its sharding group (docs/tensor_parallelism.md).
     `average_grads_across_microbatches=False` sums the micro-batches' gradients under `@smp.step`
-    (SMP v1; for a loss that sums over samples). SMP v1's tracer and DDP arguments (`trace_device`,
-    `overlapping_allreduce`, `bucket_cap_mb`, ...) are accepted and change nothing.
+    (SMP v1; for a loss that sums over samples). `broadcast_buffers` (SMP v1 / DDP): rank 0's buffers
+    reach every data-parallel rank at wrapping and before each forward that records a graph
+    (runtime/buffers.py); False leaves each rank's own. SMP v1's tracer and DDP arguments
+    (`trace_device`, `overlapping_allreduce`, `bucket_cap_mb`, ...) are accepted and change nothing.
     """
+    if not isinstance(broadcast_buffers, bool):
+        raise ValueError(f"smp.DistributedModel(broadcast_buffers={broadcast_buffers!r}): must be True or False")
     _check_v1_model_args(v1_args)
     if not isinstance(average_grads_across_microbatches, bool):
         raise ValueError(
@@ -92,6 +98,7 @@ def DistributedModel(
     st = state()
     if isinstance(module, _DistributedModel):
         raise ValueError("the module is already a DistributedModel; wrap the plain module once")
+    refuse_nested(module)  # before any collective reads its (sharded) parameters
     check_same_model(module, st.topology.group("world"))
     module = prepare_tensor_parallel(
         module,
@@ -113,6 +120,8 @@ def DistributedModel(
         premade=[p for m in module.modules() if isinstance(m, TPLayer) for p in m.parameters()],
         average_grads_across_microbatches=average_grads_across_microbatches,
         find_optimizer=lambda: st.optimizer,
+        tp_splits=tp_split_table(module) if st.topology.tp.size > 1 else None,
+        broadcast_buffers=broadcast_buffers,
     )
     st.model = model
     return model
@@ -122,12 +131,31 @@ def _has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
-def tensor_parallelism(enabled: bool = True, *, vocab_parallel_loss: bool = False) -> AbstractContextManager[None]:
+def tensor_parallelism(
+    enabled: bool = True, *, vocab_parallel_loss: bool = False, **v1_kernel_switches: Any
+) -> AbstractContextManager[None]:
     """Modules built inside are split over the TP group when `smp.DistributedModel` wraps them
     (GPT-NeoX, Llama, GPT-2); nest `enabled=False` to keep a part replicated. `vocab_parallel_loss`:
     the LM head returns this rank's vocabulary slice of the logits and the model's loss is the
-    vocab-parallel cross-entropy (otherwise the logits are all-gathered)."""
+    vocab-parallel cross-entropy (otherwise the logits are all-gathered). SMP v1's kernel switches
+    (`fused_softmax`, `fused_bias_gelu`, ...) are accepted and change nothing (migration.md)."""
+    _check_kernel_switches("smp.tensor_parallelism", v1_kernel_switches)
     return _TP_MARKS.building(TPOptions(enabled=enabled, vocab_parallel_loss=vocab_parallel_loss))
+
+
+def set_tensor_parallelism(
+    module: nn.Module, enabled: bool = True, *, vocab_parallel_loss: bool = False, **v1_kernel_switches: Any
+) -> None:
+    """SMP v1: turn tensor parallelism on or off for a model already built, before `smp.DistributedModel`
+    wraps it -- the same marks `smp.tensor_parallelism()` gives modules built inside it. Enabling
+    splits the supported blocks under `module` (except parts switched off); disabling keeps all of
+    `module` replicated."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"smp.set_tensor_parallelism needs an nn.Module, got {type(module).__name__}")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"smp.set_tensor_parallelism(enabled={enabled!r}): pass True or False")
+    _check_kernel_switches("smp.set_tensor_parallelism", v1_kernel_switches)
+    _TP_MARKS.set(module, TPOptions(enabled=enabled, vocab_parallel_loss=vocab_parallel_loss))
 
 
 def delay_param_initialization(enabled: bool = True) -> AbstractContextManager[None]:
@@ -150,6 +178,15 @@ _V1_KERNEL_SWITCHES = {
 }
 
 
+def _check_kernel_switches(where: str, switches: Mapping[str, Any]) -> None:
+    unknown = set(switches) - _V1_KERNEL_SWITCHES
+    if unknown:
+        raise TypeError(
+            f"{where} got unknown keyword(s) {sorted(unknown)}; besides its own arguments it takes "
+            f"vocab_parallel_loss and v1's kernel switches {sorted(_V1_KERNEL_SWITCHES)}"
+        )
+
+
 @contextlib.contextmanager
 def model_creation(
     tensor_parallelism: bool = False, dtype: torch.dtype | None = None, **tensor_parallel_config: Any
@@ -159,12 +196,9 @@ def model_creation(
     `delayed_parameter_initialization` -- `smp.delay_param_initialization()`, so no parameter memory
     is made. `vocab_parallel_loss=` is passed on to tensor parallelism; v1's kernel switches
     (`attention_in_fp32`, `fused_*`, ...) are accepted and change nothing (see migration.md)."""
-    unknown = set(tensor_parallel_config) - _V1_KERNEL_SWITCHES - {"vocab_parallel_loss"}
-    if unknown:
-        raise TypeError(
-            f"smp.model_creation got unknown keyword(s) {sorted(unknown)}; it takes tensor_parallelism, dtype, "
-            f"vocab_parallel_loss and v1's kernel switches {sorted(_V1_KERNEL_SWITCHES)}"
-        )
+    _check_kernel_switches(
+        "smp.model_creation", {k: v for k, v in tensor_parallel_config.items() if k != "vocab_parallel_loss"}
+    )
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(
             f"smp.model_creation(dtype={dtype!r}): pass a floating-point torch.dtype such as torch.bfloat16"
@@ -308,10 +342,25 @@ def resume_from_checkpoint(
     partial: bool = True,
     strict: bool = True,
     load_optimizer: bool = True,
+    load_sharded_optimizer_state: bool = True,
+    translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Any:
     """Load the checkpoint `tag` (None: the newest) into the model and optimizer built before this
     call, resharding when the topology changed; returns the saved user_content. A re-save that
-    crashed between its two renames is undone first ([Note: re-saving a tag] in checkpoint/atomic.py)."""
+    crashed between its two renames is undone first ([Note: re-saving a tag] in checkpoint/atomic.py).
+    SMP v1's `load_sharded_optimizer_state` and `translate_function` are accepted at their defaults."""
+    if load_sharded_optimizer_state is not True:
+        raise ValueError(
+            f"resume_from_checkpoint(load_sharded_optimizer_state={load_sharded_optimizer_state!r}): loading the "
+            "main parameters and loss scale without the optimizer's own state is not provided; pass "
+            "load_optimizer=False to load the model alone"
+        )
+    if translate_function is not None:
+        raise ValueError(
+            "resume_from_checkpoint(translate_function=...): shardpar's full checkpoints keep the model's own "
+            "(Hugging Face) parameter names, so there is nothing to translate; to load a state dict in another "
+            "naming, translate it yourself and call model.load_state_dict(...)"
+        )
     st = state()
     if st.model is None:
         raise ValueError("smp.resume_from_checkpoint needs the DistributedModel (and optimizer) built first")

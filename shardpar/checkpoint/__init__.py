@@ -58,7 +58,8 @@ def save_checkpoint(
 ) -> Path:
     """Save under `path` (a collective: every rank calls it); the finished checkpoint directory.
 
-    partial=True: every shard once (replica 0 writes), optimizer state, loss scaler, RNG and
+    partial=True: every shard once (replica 0 writes; with shard_optimizer_state each rank its own
+    piece), optimizer state, loss scaler, RNG and
     `user_content` (JSON, tuples, tensors; rank 0's value), resumable under any topology; keeps the
     `num_kept_partial_checkpoints` newest partial checkpoints when set; TP-split parameters are stored
     in full-parameter coordinates, so any tensor-parallel degree resumes them. partial=False: the
@@ -152,8 +153,12 @@ def _save_full(
         else None
     )
 
+    # Replica 0 holds the full values, except when only the replicas together do (shard_optimizer_state
+    # under bf16/fp16: [Note: replica-sharded main]); every replica then joins the gathers.
+    every_replica = model.sharded_state.gathers_over_replicas
+
     def stream() -> None:
-        if coords.replica == 0:
+        if coords.replica == 0 or every_replica:
             _full.stream_units(model, items, sink, tp)
         if sink is not None:
             sink.finish()

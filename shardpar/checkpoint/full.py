@@ -99,15 +99,12 @@ def export_keys(module: nn.Module) -> dict[str, Any]:
 
 def plan_items(model: DistributedModel, dtype: torch.dtype | None) -> list[Item]:
     """Every exported tensor, in streaming order: unit by unit, then persistent params and buffers."""
-    where = {
-        id(p.param): ("unit" if p.sharded else "persistent", p.unit, p.pos, p.fqn, p.shape)
-        for p in model.sharded_state.pieces
-    }
+    state = model.sharded_state
     buffers, splits = persistent_buffers(model), tp_split_table(model.module)
     items = []
     for key, value in export_keys(model.module).items():
-        if id(value) in where:
-            source, unit, pos, name, shape = where[id(value)]
+        if (p := state.piece_of(value)) is not None:
+            source, unit, pos, name, shape = ("unit" if p.sharded else "persistent", p.unit, p.pos, p.fqn, p.shape)
             split = splits.get(name)
             full = Cut.of(shape, split).full_shape
             items.append(Item(key, source, unit, pos, name, TensorEntry(key, dtype or torch.float32, full), split))
@@ -132,6 +129,8 @@ def split_files(items: list[Item], max_shard_size: int | None) -> list[tuple[str
         size += it.entry.nbytes
         last_unit = it.unit if it.source == "unit" else last_unit
     n = len(files)
+    if n == 1:  # as save_pretrained: one shard is model.safetensors (no index is written for it)
+        return [(SINGLE_FILE, items)]
     return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", f) for i, f in enumerate(files)]
 
 

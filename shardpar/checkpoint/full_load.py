@@ -93,9 +93,9 @@ class FullLoad:
         verify_share(self.directory, recorded, rank=topology.rank, world=topology.plan.world)
 
     def _aliases(self) -> Iterator[tuple[Any, list[str], tuple[int, ...]]]:
-        names = param_aliases(self.model.module)
+        names, state = param_aliases(self.model.module), self.model.sharded_state
         for s in slots(self.model):
-            yield s, names[id(s.param)], s.cut.full_shape
+            yield s, names[id(state.user_of(state.piece_of(s.param) or _missing(s.fqn)))], s.cut.full_shape
 
     def key_of(self, aliases: list[str]) -> str | None:
         return next((a for a in aliases if a in self.where), None)
@@ -203,3 +203,7 @@ def _weight_files(directory: Path) -> list[str]:
     if (directory / SINGLE_FILE).is_file():
         return [SINGLE_FILE]
     raise CheckpointError(f"{directory}: neither {SINGLE_FILE} nor {HF_INDEX} is present")
+
+
+def _missing(fqn: str) -> Any:
+    raise AssertionError(f"{fqn}: a checkpoint slot without a piece in the sharded state")

@@ -1,7 +1,8 @@
 """Partial checkpoints, the save side: every shard written exactly once (see index.py for the layout).
 
 Ranks of replica 0 write their pieces of every sharded parameter (fp32 main shard) and the optimizer
-state of those elements; the first sharding group (rdp rank 0) adds the persistent parameters, rank 0
+state of those elements -- with shard_optimizer_state every rank writes its own piece of its shard,
+which no other rank holds; the first sharding group (rdp rank 0) adds the persistent parameters, rank 0
 the buffers and every rank's RNG state; the other replicas write nothing. With tensor parallelism
 every TP rank writes its pieces of the TP-split parameters (local pieces, placed in the full
 parameter by the index's `tp` cut) and only TP rank 0 those of TP-replicated ones, which are equal
@@ -37,7 +38,9 @@ def writes(slot: Slot, coords: RankCoords) -> bool:
     """Whether this rank writes `slot`: exactly one rank holds each (TP rank, element) in a checkpoint."""
     if not slot.tp_split and coords.tp_rank != 0:
         return False  # TP-replicated: TP rank 0's copy
-    return coords.replica == 0 if slot.sharded else coords.rdp_rank == 0
+    if slot.sharded:
+        return coords.replica == 0 or slot.replica_owned
+    return coords.rdp_rank == 0
 
 
 def write_rank_file(

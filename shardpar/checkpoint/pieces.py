@@ -20,6 +20,7 @@ from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.placement import Cut
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
+from shardpar.runtime.sharded_tensor import ShardedTensor
 from shardpar.runtime.state_dict import persistent_buffers as module_persistent_buffers
 from shardpar.tensor_parallel.layers import tp_split_table
 
@@ -38,6 +39,9 @@ class Slot:
     param_shape: tuple[int, ...]  # the (TP-local) parameter's; its .data is empty while sharded
     cut: Cut  # how TP ranks' parameters make up the full one; cut.full_shape is the Hugging Face shape
     tp_rank: int  # which of cut.size local parameters this is (0 when not TP-split)
+    # shard_optimizer_state: this rank's piece is its own, not a copy held by every replica
+    # ([Note: replica-sharded main], runtime/replica_shard.py)
+    replica_owned: bool = False
 
     @property
     def tp_split(self) -> bool:
@@ -68,6 +72,7 @@ def slots(model: DistributedModel) -> list[Slot]:
                 piece.shape,
                 cut,
                 rank,
+                piece.sharded and state.replica_sharded,
             )
         )
     return out
@@ -95,7 +100,7 @@ def buffer_shape_problems(buffers: Mapping[str, torch.Tensor], saved: Mapping[st
     ]
 
 
-def piece_of(optimizer: DistributedOptimizer, p: nn.Parameter) -> nn.Parameter | None:
+def piece_of(optimizer: DistributedOptimizer, p: nn.Parameter) -> torch.Tensor | None:
     return optimizer.main_piece(p)
 
 
@@ -103,6 +108,8 @@ def split_state(slot: Slot, state: dict[str, Any]) -> tuple[dict[str, torch.Tens
     """(per-element tensors, JSON scalars) of one piece's optimizer state."""
     per_element, scalars = {}, {}
     for k, v in state.items():
+        if isinstance(v, ShardedTensor):  # state of an optimizer that steps the user parameters
+            v = v.local_piece
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             if tuple(v.shape) != slot.shape:
                 raise ValueError(

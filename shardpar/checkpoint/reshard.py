@@ -31,6 +31,7 @@ from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, dtyp
 from shardpar.optim.loss_scaling import ScalerResume
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
+from shardpar.runtime.sharded_tensor import ShardedTensor
 
 
 class Reader:
@@ -235,6 +236,8 @@ class LoadJob:
             for k, dtype in meta["tensors"].items():
                 flat = reader.read_slot(f"optim/{k}", s, dtype_of(dtype))
                 entry[k] = flat.view(s.shape).to(piece.device)
+                if isinstance(piece, ShardedTensor):  # an optimizer stepping the user parameters
+                    entry[k] = ShardedTensor(entry[k], piece.shard_layout)
             state[piece] = entry
         if self.scaler_plan is not None:
             optimizer.load_loss_scaler_state(self.index["loss_scaler"], self.scaler_plan)

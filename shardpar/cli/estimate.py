@@ -101,7 +101,8 @@ class Setup:
     device: str = "a100-40gb"  # a DEVICES key or "cpu"
     device_bytes: int | None = None  # overrides the device's capacity
     framework_bytes: int | None = None  # overrides the framework term (a measured baseline)
-    replicas: int = 1  # sharding groups side by side (rdp = sdp x replicas)
+    shard_optimizer_state: bool = False  # the fp32 state split over the replicas too
+    world: int | None = None  # devices in all: the replicas are world / (tp x sdp) (None: one replica)
     # CPU: glibc's MALLOC_MMAP_THRESHOLD_ (bytes); freed blocks below it stay with the process
     mmap_threshold: int = 1 << 20
     engine: str = "smddp"  # on CPU: "smddp" (ddp_dist_backend auto) or "native" (gloo)
@@ -122,6 +123,18 @@ class Setup:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.engine not in ("smddp", "native"):
             raise ValueError(f"engine={self.engine!r} is not 'smddp' or 'native'")
+        if self.world is not None and (self.world < 1 or self.world % (self.tp * self.sdp)):
+            raise ValueError(f"world={self.world} must be a multiple of tp {self.tp} x sdp {self.sdp}")
+
+    @property
+    def replicas(self) -> int:
+        """Sharding groups of one TP rank: the replication degree."""
+        return 1 if self.world is None else self.world // (self.tp * self.sdp)
+
+    @property
+    def split(self) -> int:
+        """How many pieces the fp32 state of a shard is cut into: the replicas with shard_optimizer_state."""
+        return self.replicas if self.shard_optimizer_state else 1
 
     @property
     def capacity(self) -> int | None:
@@ -182,6 +195,7 @@ class ReferenceRow:
             activation_checkpointing=True,
             activation_offloading=self.offload,
             device=INSTANCES[self.instance_type][1],
+            world=self.world,
         )
         return replace(base, **changes)
 
@@ -198,19 +212,30 @@ REFERENCE_ROWS = (
 
 
 def _states(shape: ModelShape, setup: Setup) -> dict[str, int]:
-    """Every model state but the gradients, at full size."""
+    """Every model state but the gradients, at full size. With shard_optimizer_state the fp32 state
+    is this rank's piece of its shard ([Note: replica-sharded main], runtime/replica_shard.py); in
+    fp32 the compute shard *is* the main shard, so the main values stay shard-sized."""
     c = DTYPE_BYTES[setup.precision]
-    n = _sharded(shape, setup) + shape.persistent_numel
+    p = shape.persistent_numel
+    owned, sharded = _owned(shape, setup), _sharded(shape, setup)
+    mixed = c != 4
     return {
-        "model states: fp32 main parameters": 4 * n,
-        "model states: compute-dtype copies": c * n if c != 4 else 0,
-        "model states: optimizer state": OPTIMIZER_STATE_BYTES[setup.optimizer] * n,
+        "model states: fp32 main parameters": 4 * ((owned if mixed else sharded) + p),
+        "model states: compute-dtype copies": c * (sharded + p) if mixed else 0,
+        "model states: optimizer state": OPTIMIZER_STATE_BYTES[setup.optimizer] * (owned + p),
         "model states: buffers": shape.buffer_bytes,
     }
 
 
+def _owned(shape: ModelShape, setup: Setup) -> int:
+    """This rank's piece of its shards: the fp32 state it steps (its whole shards without the knob)."""
+    pieces = setup.sdp * setup.split
+    return sum(math.ceil(math.ceil(n / setup.tp) / pieces) for n in shape.unit_numels)
+
+
 def _sharded(shape: ModelShape, setup: Setup) -> int:
-    return sum(math.ceil(math.ceil(n / setup.tp) / setup.sdp) for n in shape.unit_numels)
+    """This rank's shards, each unit padded to a multiple of sdp (x the replicas with the knob)."""
+    return _owned(shape, setup) * setup.split
 
 
 def _framework(setup: Setup) -> int:
@@ -226,7 +251,7 @@ def step_inputs(shape: ModelShape, setup: Setup) -> mm.StepInputs:
     c, r = DTYPE_BYTES[setup.precision], DTYPE_BYTES[setup.reduce_dtype]
     cpu, sdp = setup.device == "cpu", setup.sdp
     numels = [math.ceil(n / setup.tp) for n in shape.unit_numels]  # TP splits every sharded unit
-    padded = [mm.ceil_to(n, sdp) for n in numels]
+    padded = [mm.ceil_to(n, sdp * setup.split) for n in numels]  # the layout's padding
     gathered = [c * p if sdp > 1 else 0 for p in padded]
     small = shape.persistent_per_unit
     units = tuple(
@@ -243,11 +268,14 @@ def step_inputs(shape: ModelShape, setup: Setup) -> mm.StepInputs:
     )
     kept, work, logits = activation_bytes(shape, setup)
     retained = _retained_by_heap(shape, setup) if cpu else 0
-    piece = math.ceil(math.ceil(shape.max_tensor_numel / setup.tp) / sdp)
-    n = _sharded(shape, setup) + shape.persistent_numel
+    piece = math.ceil(math.ceil(shape.max_tensor_numel / setup.tp) / (sdp * setup.split))
+    n = _owned(shape, setup) + shape.persistent_numel  # the fp32 elements the optimizer steps
     return mm.StepInputs(
         states=sum(_states(shape, setup).values()) + _framework(setup),
         main_grads=4 * n,
+        # shard_optimizer_state: the shard-sized main grads of a boundary backward, until the
+        # replication ReduceScatter leaves this rank its piece (runtime/replica_shard.py)
+        shard_grads=4 * _sharded(shape, setup) if setup.split > 1 else 0,
         root_persistent_grads=c * small[0] if small else 0,
         persistent_payload=r * shape.persistent_numel if sdp * setup.replicas > 1 else 0,
         root_gathered=gathered[0] if numels else 0,
@@ -296,10 +324,11 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     moment = mm.peak(step_inputs(shape, setup))
     parts = dict(states)
     parts["model states: fp32 gradients"] = moment.parts.get("main gradients", 0)
+    parts["shard gradients before their ReduceScatter"] = moment.parts.get("shard gradients", 0)
     for key, label in _PART_LABELS.items():
         parts[label] = moment.parts.get(key, 0)
     parts["framework"] = _framework(setup)
-    full = sum(states.values()) + 4 * (_sharded(shape, setup) + shape.persistent_numel)
+    full = sum(states.values()) + 4 * (_owned(shape, setup) + shape.persistent_numel)
     return Estimate(shape, setup, parts, peak_at=moment.where, model_state_bytes=full)
 
 
@@ -366,7 +395,7 @@ def smallest_fitting_sdp(shape: ModelShape, setup: Setup, world: int) -> Estimat
     if world % setup.tp:
         raise ValueError(f"tensor_parallel_degree={setup.tp} must divide the world size {world}")
     for sdp in divisors(world // setup.tp):
-        est = estimate(shape, replace(setup, sdp=sdp))
+        est = estimate(shape, replace(setup, sdp=sdp, world=world))
         if est.fits:
             return est
     return None
@@ -383,7 +412,7 @@ def alternatives(shape: ModelShape, setup: Setup, world: int, tps: Iterable[int]
             (True, False),
             (True, True),
         ):
-            variant = replace(setup, tp=tp, activation_checkpointing=ckpt, activation_offloading=offload)
+            variant = replace(setup, tp=tp, sdp=1, activation_checkpointing=ckpt, activation_offloading=offload)
             est = smallest_fitting_sdp(shape, variant, world)
             if est is not None and all(e.setup != est.setup for e in found):
                 found.append(est)

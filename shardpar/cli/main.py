@@ -82,9 +82,11 @@ def estimate(args: argparse.Namespace) -> int:
         activation_offloading=args.activation_offloading, flash_attention=not args.eager_attention,
         optimizer=args.optimizer, max_live_parameters=int(args.max_live_parameters),
         reduce_bucket_size=int(args.reduce_bucket_size), device=device,
+        shard_optimizer_state=args.shard_optimizer_state, world=world,
     )  # fmt: skip
+    sos = ", shard_optimizer_state" if args.shard_optimizer_state else ""
     print(f"{shape.name}: {shape.num_params:,} parameters, {shape.num_layers} layers, hidden {shape.hidden}; "
-          f"world {world}, tp {tp}, batch {args.batch} x seq {args.seq}, {args.precision}, {device}")  # fmt: skip
+          f"world {world}, tp {tp}, batch {args.batch} x seq {args.seq}, {args.precision}, {device}{sos}")  # fmt: skip
     if device == "cpu":
         print("  (CPU: RSS with MALLOC_MMAP_THRESHOLD_=1048576, freed blocks going back to the OS; with glibc's "
               "defaults its heap keeps more, +11 to +32 % measured at 162M: docs/performance.md, Memory)")  # fmt: skip
@@ -134,6 +136,15 @@ def _reference_table(est: Any) -> int:
             f"  {row.model} x{row.instances} {row.instance_type} seq {row.seq} batch {row.mini_batch} sdp {row.sdp} "
             f"tp {tp}{offload}: {e.total / est.GiB:.1f} GiB -> {'fits' if e.fits else 'does NOT fit'}; "
             f"smallest fitting sdp {best.setup.sdp if best else 'none'}"
+        )
+        sos = row.setup(tp=tp, shard_optimizer_state=True)
+        z = est.estimate(shape, sos)
+        zbest = est.smallest_fitting_sdp(shape, sos, row.world)
+        print(
+            f"      with shard_optimizer_state ({sos.replicas} replica{'s' if sos.replicas > 1 else ''}): "
+            f"model states {e.model_states / est.GiB:.1f} "
+            f"-> {z.model_states / est.GiB:.1f} GiB, total {z.total / est.GiB:.1f} GiB -> "
+            f"{'fits' if z.fits else 'does NOT fit'}; smallest fitting sdp {zbest.setup.sdp if zbest else 'none'}"
         )
     return 0
 
@@ -316,6 +327,11 @@ def _estimate_parser(sub: Any) -> None:
     e.add_argument("--max-live-parameters", type=_at_least(1, kind=float), default=1e9)
     e.add_argument("--reduce-bucket-size", type=_at_least(1, kind=float), default=5e8)
     e.add_argument("--persistence-threshold", type=_at_least(0, kind=float), default=1e6)
+    e.add_argument(
+        "--shard-optimizer-state",
+        action="store_true",
+        help="the shard_optimizer_state knob: fp32 state split over the replicas too",
+    )
     e.add_argument("--reference", action="store_true", help="check reference 003's configurations")
     e.set_defaults(func=estimate)
 

@@ -24,7 +24,10 @@ moment the bytes alive are summed; the peak is the largest sum. What is alive fo
                      place: the full gradients of its units stay until the last one arrives. Elsewhere
                      a [sdp, width] buffer is allocated at its first unit and packed as units arrive
                      (the unit's gradients are freed once packed)
-    main gradients   the fp32 sharded gradients, one bucket's worth more at every bucket issued
+    main gradients   the fp32 sharded gradients, one bucket's worth more at every bucket issued.
+                     With shard_optimizer_state these are the shard-sized "shard gradients" until the
+                     boundary's replication ReduceScatter leaves this rank its piece (the main
+                     gradients the optimizer sees): both exist at the end of backward
     optimizer step   all the above states, plus the step's temporaries: torch's per-tensor AdamW (CPU
                      default) two of the largest parameter piece, the foreach one (CUDA default) one
                      copy of every shard
@@ -62,7 +65,7 @@ class StepInputs:
     """Everything the walk needs, in bytes (numel only where the live cap compares elements)."""
 
     states: int  # always alive: main shards, compute copies, optimizer state, buffers, framework
-    main_grads: int  # all fp32 main gradients, persistent ones included
+    main_grads: int  # all fp32 main gradients the optimizer steps, persistent ones included
     root_persistent_grads: int  # the root's persistent parameters' autograd gradients
     persistent_payload: int  # the boundary's AllReduce of the persistent gradients (rdp > 1)
     root_gathered: int
@@ -80,6 +83,9 @@ class StepInputs:
     # so they stay resident through backward and the optimizer step; bigger tensors are mmapped and
     # go back to the OS when freed.
     layer_retained: int = 0
+    # shard_optimizer_state: the shard-sized main grads a backward builds before the replication
+    # ReduceScatter (0 without the knob: the backward builds the main gradients themselves)
+    shard_grads: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,7 @@ def _backward(x: StepInputs) -> list[Moment]:
     kept = sum(x.layer_kept for u in units if u.kind == "block")
     logits = x.logits
     main_grads = held = 0  # issued buckets' shards; the open bucket's gradients or buffer
+    built = "shard gradients" if x.shard_grads else "main gradients"  # what the buckets reduce into
     persistent = x.root_persistent_grads  # autograd gradients of persistent parameters, to the end
     current: int | None = None
     out = []
@@ -170,7 +177,7 @@ def _backward(x: StepInputs) -> list[Moment]:
                 f"backward of unit {i + 1} ({u.kind})",
                 {
                     "states": x.states,
-                    "main gradients": main_grads,
+                    built: main_grads,
                     "gathered": gathered,
                     "gather scratch": scratch,
                     "activations": kept + logits + work,
@@ -187,7 +194,12 @@ def _backward(x: StepInputs) -> list[Moment]:
             held += u.grads  # read in place: the unit's gradients wait for the rest of its bucket
     # the persistent main gradient is made while their autograd gradients are added into it; then
     # the boundary's AllReduce packs them (with the used-parameter flags) into one payload
-    end = {"states": x.states, "main gradients": x.main_grads, "unit gradients": max(persistent, x.persistent_payload)}
+    end = {
+        "states": x.states,
+        "shard gradients": x.shard_grads,  # the ReduceScatter's input, beside its output
+        "main gradients": x.main_grads,
+        "unit gradients": max(persistent, x.persistent_payload),
+    }
     out.append(Moment("end of backward", {**end, "activations": _kept_by_allocator(x)}))
     return out
 

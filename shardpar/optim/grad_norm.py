@@ -10,6 +10,10 @@ parallelism:
 
 So: one AllReduce over the sharding group -- of [all] without TP splits, of [split, replicated]
 with them -- and, with them, one of (split + replicated on TP rank 0) over the TP group.
+
+With shard_optimizer_state each rank holds its own piece of the shard's grads ([Note: replica-sharded
+main], runtime/replica_shard.py): they are disjoint over the whole rdp group, so the AllReduce runs
+over the rdp group instead (the same one float or two), and persistent grads are added by rdp rank 0.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ def grad_norm_squared(state: ShardedState, splits: Mapping[str, TPSplit] | None 
 def local_grad_norm_squared(state: ShardedState, splits: Mapping[str, TPSplit] | None = None) -> torch.Tensor:
     """This rank's share of the squared norm, before any collective: [all] without TP splits,
     [TP-split, TP-replicated] with them. Non-finite exactly when this rank's counted grads are."""
-    topology = state.topology
+    coords = state.topology.coords
+    first = coords.rdp_rank == 0 if state.replica_sharded else coords.sdp_rank == 0  # adds the replicated grads
     parts = torch.zeros(2 if splits else 1, dtype=torch.float32, device=state.device)
     for block in state.grad_blocks():
-        if block.replicated and topology.coords.sdp_rank != 0:
+        if block.replicated and not first:
             continue
         if not splits:
             parts += block.grad.pow(2).sum()
@@ -50,7 +55,7 @@ def reduce_grad_norm_squared(
 ) -> torch.Tensor:
     """[1]: the global squared norm from every rank's `local_grad_norm_squared` (reduced in place)."""
     topology = state.topology
-    state.engine.all_reduce(parts, topology.sharding)
+    state.engine.all_reduce(parts, topology.rdp if state.replica_sharded else topology.sharding)
     if not splits:
         return parts
     total = parts[0:1] + (parts[1:2] if topology.coords.tp_rank == 0 else 0.0)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shardpar.optim.grad_norm import grad_norm_squared, local_grad_norm_squared, reduce_grad_norm_squared
+from shardpar.optim.kinds import check_optimizer
 from shardpar.optim.loss_scaling import LossScaler, ScalerResume, StaticLossScaler, plan_scaler_resume
 from shardpar.optim.nonfinite import NonFiniteGuard, gather_culprits
 from shardpar.optim.nonfinite import log as nonfinite_log
@@ -53,6 +54,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "TP split table (tp_splits=tensor_parallel.tp_split_table(model.module)); smp.DistributedOptimizer "
                 "passes it"
             )
+        self._plain_pieces = check_optimizer(optimizer)  # refuses the shape-aware ones it knows
         self.optimizer = optimizer
         self.model = model
         self.sharded_state = model.sharded_state
@@ -66,18 +68,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.nonfinite_guard = NonFiniteGuard(limit)
         self.num_steps = 0  # step() calls that got past the window check, skipped ones included
         model.window.set_loss_scale(self.loss_scaler.loss_scale)
-        self._main_piece: dict[int, nn.Parameter] = {}
-        self._grad_slots: list[tuple[nn.Parameter, Piece]] = []  # (main piece, where it lies) of trainable params
+        self._main_piece: dict[int, torch.Tensor] = {}  # leaf stepped for a compute or user parameter id
+        self._grad_slots: list[tuple[torch.Tensor, Piece]] = []  # (main piece, where it lies) of trainable params
         self._build_pieces()
         self._repoint_groups()
         self.last_grad_norm: torch.Tensor | None = None
 
     def _build_pieces(self) -> None:
-        state = self.sharded_state
-        for where in state.pieces:
+        """[Note: how the optimizer sees the shards]
+        An element-wise optimizer (optim/kinds.py) steps plain 1-D leaves aliasing this rank's pieces of
+        the main shards: foreach kernels, no dispatch in between. Any other optimizer steps the user
+        parameters themselves (ShardedTensors with the global shape, runtime/sharded_tensor.py), so
+        element-wise maths and whole-tensor norms (LAMB's trust ratio) are exact and anything
+        shape-dependent raises instead of computing on a piece; known shape-aware ones are refused
+        before this is reached."""
+        state, user_params = self.sharded_state, self.model.user_params
+        for where, user in zip(state.pieces, user_params.user, strict=True):
             p = where.param
-            piece = nn.Parameter(state.main(where), requires_grad=p.requires_grad)
+            piece: torch.Tensor = (
+                nn.Parameter(state.main(where), requires_grad=p.requires_grad) if self._plain_pieces else user
+            )
             self._main_piece[id(p)] = piece
+            self._main_piece[id(user)] = piece
             if p.requires_grad:
                 self._grad_slots.append((piece, where))
 
@@ -100,10 +112,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- step ---------------------------------------------------------------------------------
 
-    def _attach_grads(self) -> None:
-        unused = self.model.unused_params
+    def _attach_grads(self, dropped: set[int]) -> None:
+        """Point each stepped leaf's .grad at its main grad; None for a parameter without a gradient in
+        the window ([Note: unused params] in model.py) or whose user grad was dropped (`dropped`)."""
+        skip = self.model.unused_params | dropped
         for piece, where in self._grad_slots:
-            piece.grad = None if id(where.param) in unused else self.sharded_state.grad(where)
+            if self._plain_pieces:
+                piece.grad = None if id(where.param) in skip else self.sharded_state.grad(where)
+            elif id(where.param) in skip:
+                piece.grad = None
 
     def grad_norm_squared(self) -> torch.Tensor:
         """Squared global L2 norm of the (still scaled) grads: every element counted once.
@@ -138,6 +155,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure (the model is sharded)")
         self.model.window.check_step()  # before anything changes
+        # What the user did to the parameters' .grad since backward ([Note: user gradients],
+        # runtime/user_params.py): a dropped grad is zeroed, so the norm below leaves it out too.
+        dropped = self.model.user_params.sync()
         self.num_steps += 1
         # The norm is computed at every step (one AllReduce of one float when neither clipping nor a
         # loss scale needed it): the non-finite guard reads it ([Note: non-finite steps], nonfinite.py).
@@ -165,7 +185,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # divide these gradients, scaled by the old one, by the new one.
         clip_norm = 0.0 if self._clipped_by_user else self.clip_norm
         self.last_grad_norm = self._unscale_and_clip(sq, scale, clip_norm)
-        self._attach_grads()
+        self._attach_grads(dropped)
         result = self.optimizer.step()
         self.sharded_state.refresh_compute()
         self.model.window.set_loss_scale(self.loss_scaler.loss_scale)
@@ -204,10 +224,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped
             self.model.reset_grad_usage()
         self.sharded_state.clear_grads(set_to_none=set_to_none)
-        for piece, _ in self._grad_slots:
-            piece.grad = None
+        if set_to_none:
+            self.model.user_params.clear_grads()
+        if self._plain_pieces:
+            for piece, _ in self._grad_slots:
+                piece.grad = None
 
-    def main_piece(self, p: torch.Tensor) -> nn.Parameter | None:
+    def main_piece(self, p: torch.Tensor) -> torch.Tensor | None:
         """The leaf the inner optimizer steps for original parameter `p` (its local main shard)."""
         return self._main_piece.get(id(p))
 
@@ -264,14 +287,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return norm[0]
 
     @property
-    def fp16_groups(self) -> list[list[nn.Parameter]]:
+    def fp16_groups(self) -> list[list[torch.Tensor]]:
         """SMP v1: the model's own parameters, grouped as the optimizer's param groups (scripts map
         them to names with `model.named_parameters()`)."""
         original = {id(piece): p for p, piece in self._originals()}
         return [[original[id(piece)] for piece in group["params"]] for group in self.optimizer.param_groups]
 
-    def _originals(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        return [(where.param, self._main_piece[id(where.param)]) for where in self.sharded_state.pieces]
+    def _originals(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(user parameter, the leaf the optimizer steps for it) per parameter."""
+        state, user = self.sharded_state, self.model.user_params.user
+        return [(u, self._main_piece[id(where.param)]) for where, u in zip(state.pieces, user, strict=True)]
 
     # ---- loss scaler in checkpoints -----------------------------------------------------------
 

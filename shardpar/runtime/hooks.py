@@ -27,7 +27,15 @@ from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer
 from shardpar.runtime.schedule import Scheduler
 from shardpar.runtime.unit import Unit
+from shardpar.runtime.user_params import UserParams
 from shardpar.runtime.window import AccumulationWindow
+
+
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook that torch.compile runs as it is, between compiled graphs: it gathers, frees, swaps the
+    modules' parameters and issues collectives -- host-side bookkeeping a graph must not bake in.
+    [Note: torch.compile] in docs/design.md: the graph breaks fall at the unit boundaries."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 def _in_backward() -> bool:
@@ -53,7 +61,10 @@ class ModelHooks:
         reducer: GradReducer,
         window: AccumulationWindow,
         unit_of_param: dict[int, Unit],
+        user_params: UserParams,
         on_window_end: Callable[[], None],
+        on_backward_end: Callable[[bool], None],
+        on_forward_start: Callable[[], None],
     ) -> None:
         self.root = root
         self.units = units
@@ -63,29 +74,40 @@ class ModelHooks:
         self.window = window
         self._unit_of_param = unit_of_param
         self._on_window_end = on_window_end  # after the boundary's collectives ([Note: unused params] in model.py)
+        self._on_backward_end = on_backward_end  # (whether it ended the window): publish the user grads
+        self._on_forward_start = on_forward_start  # refresh compute copies a plain optimizer left stale
+        self.user_params = user_params
         self._finalize_queued_for: int | None = None
         self.handles: list[Any] = []
 
     def install(self) -> None:
         for unit in self.units:
-            self.handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
-            self.handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+            self.handles.append(unit.module.register_forward_pre_hook(_eager(self._make_pre_forward(unit))))
+            self.handles.append(unit.module.register_forward_hook(_eager(self._make_post_forward(unit))))
             for p in unit.params:
                 if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+                    self.handles.append(p.register_post_accumulate_grad_hook(_eager(self._on_grad_accumulated)))
         for p in self.persistent.params:
             if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
-        self.handles.append(self.root.register_forward_pre_hook(self._root_pre_forward))
+                self.handles.append(p.register_post_accumulate_grad_hook(_eager(self._on_grad_accumulated)))
+        self.handles.append(self.root.register_forward_pre_hook(_eager(self._root_pre_forward)))
 
     # ---- forward ------------------------------------------------------------------------------
 
     def _make_pre_forward(self, unit: Unit) -> Any:
+        is_root = unit.module is self.root
+
         def hook(module: nn.Module, args: Any) -> Any:
             # During backward this is an activation-checkpoint recomputation: the unit belongs to
             # its backward until its grads are reduced.
             backward = _in_backward()
+            if is_root and not backward:
+                # A new forward: modules hold the user parameters whatever a forward that raised left
+                # ([Note: two parameters per original] in user_params.py).
+                self.user_params.reset()
+                self._on_forward_start()
             self.scheduler.require(unit, HoldKind.BACKWARD if backward else HoldKind.FORWARD)
+            self.user_params.enter(unit)
             if unit.deps and not backward and torch.is_grad_enabled():
                 return self._after_backward_of_call(unit, args)
             return None
@@ -96,6 +118,7 @@ class ModelHooks:
         is_root = unit.module is self.root
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            self.user_params.exit(unit)
             records_graph = torch.is_grad_enabled()
             if records_graph:
                 self._register_pre_backward(unit, output)
@@ -139,10 +162,11 @@ class ModelHooks:
             self._queue_finalize()
             if not unit.reduced:
                 self.scheduler.require(unit, HoldKind.BACKWARD)
+                self.user_params.enter_backward(unit)
 
         for t in _tensors(output):
             if t.requires_grad:
-                t.register_hook(on_grad)
+                t.register_hook(_eager(on_grad))
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
         self._queue_finalize()
@@ -155,6 +179,7 @@ class ModelHooks:
         if unit.grads_arrived == unit.num_trainable and not unit.has_frozen:
             self.reducer.add(unit)
             self.scheduler.grads_reduced(unit)
+            self.user_params.exit_backward(unit)
 
     def _queue_finalize(self) -> None:
         # Queue once per outermost backward: a reentrant activation checkpoint runs nested backward
@@ -162,6 +187,8 @@ class ModelHooks:
         if self._finalize_queued_for is not None:
             return
         self._finalize_queued_for = torch._C._current_graph_task_id()
+        # What the user did to the .grads since the last backward ([Note: user gradients] in user_params.py).
+        self.user_params.sync()
         for unit in self.units:
             unit.begin_backward()
         boundary = self.window.begin_backward()
@@ -185,6 +212,8 @@ class ModelHooks:
                     unit.finish_accumulation()
             self._on_window_end()
         self.scheduler.end_backward()
+        self.user_params.reset()
+        self._on_backward_end(boundary)
 
 
 class _CallBackwardDone(torch.autograd.Function):

@@ -14,32 +14,43 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 from torch.utils.hooks import RemovableHandle
 
 from shardpar.collectives import Engine
 from shardpar.config import Config
 from shardpar.precision import DtypePolicy
+from shardpar.runtime.buffers import BufferSync
+from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
 from shardpar.runtime.materialize import Materializer, check_nothing_materialised
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer, plan_buckets
+from shardpar.runtime.replica_shard import ReplicaShard, replica_comm
 from shardpar.runtime.schedule import LiveCounter, Scheduler
+from shardpar.runtime.sharded_tensor import ShardComm, ShardedTensor
 from shardpar.runtime.state import ShardedState
 from shardpar.runtime.state_dict import (
+    TPLayout,
     forget_inner_missing,
     load_full_state_dict,
     load_nested,
+    local_param_shapes,
     nested_state_dict,
+    persistent_buffers,
 )
 from shardpar.runtime.unit import Unit
 from shardpar.runtime.unit_comm import UnitComm
+from shardpar.runtime.user_params import UserParams
 from shardpar.runtime.window import AccumulationWindow
 from shardpar.sharding.layout import flat_layout
 from shardpar.sharding.plan import UnitPlan, WrapPolicy, plan_units
+from shardpar.sharding.tp_split import TPSplit
 from shardpar.topology import Topology
 
 _Registered = dict[int, list[nn.Parameter]]
+PARTIAL_KEY = "_smp_is_partial"  # SMP v1's marker of a local_state_dict()
 
 
 class DistributedModel(nn.Module):
@@ -59,6 +70,8 @@ class DistributedModel(nn.Module):
         premade: Collection[nn.Parameter] = (),
         average_grads_across_microbatches: bool = True,
         find_optimizer: Callable[[], Any] = lambda: None,
+        tp_splits: Mapping[str, TPSplit] | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         self.window = AccumulationWindow(  # validates backward_passes_per_step first
@@ -66,6 +79,7 @@ class DistributedModel(nn.Module):
         )
         self._find_optimizer = find_optimizer  # for post-partition hooks (the facade's optimizer)
         self._post_partition_hooks: OrderedDict[int, Callable[[Any, Any], None]] = OrderedDict()  # weakref-able
+        refuse_nested(module)
         if config.delayed_parameter_initialization:
             check_nothing_materialised(module, premade=premade)
         self.module = module
@@ -83,8 +97,9 @@ class DistributedModel(nn.Module):
         materialize = Materializer(module, self.device)
         materialize.buffers()
         plans = plan_units(module, wrap)
+        persistent, unit_of_persistent = self._split_persistent(plans)
         self.persistent = PersistentParams(
-            self._split_persistent(plans),
+            persistent,
             engine=engine,
             rdp=topology.rdp,
             compute_dtype=self.policy.compute,
@@ -93,6 +108,8 @@ class DistributedModel(nn.Module):
             materialize=materialize,
         )
         self.live = LiveCounter()
+        # shard_optimizer_state ([Note: replica-sharded main], replica_shard.py); None when off or one replica
+        self.replicas = replica_comm(config.shard_optimizer_state, topology, engine)
         self.units = self._build_units(plans, materialize)
         self.scheduler = Scheduler(self.units, cap=config.sdp_max_live_parameters, live=self.live)
         self.reducer = GradReducer(
@@ -108,6 +125,18 @@ class DistributedModel(nn.Module):
         )
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         self._link_dependencies(plans, registered or {})
+        self.user_params = UserParams(
+            module,
+            self.sharded_state,
+            self.units,
+            self.persistent,
+            unit_of_persistent=unit_of_persistent,
+            comm=ShardComm(
+                engine, topology.rdp if self.sharded_state.replica_sharded else topology.sharding, topology.tp
+            ),
+            tp_splits=tp_splits,
+            tp_rank=topology.coords.tp_rank,
+        )
         self._hooks = ModelHooks(
             module,
             self.units,
@@ -116,22 +145,38 @@ class DistributedModel(nn.Module):
             reducer=self.reducer,
             window=self.window,
             unit_of_param=self._unit_of_param,
+            user_params=self.user_params,
             on_window_end=self._agree_on_unused_params,
+            on_backward_end=self._publish_grads,
+            on_forward_start=self._on_forward_start,
         )
         self._hooks.install()
+        self._tp = TPLayout(tp_splits, engine, topology.tp, topology.tp.rank_of(topology.rank)) if tp_splits else None
+        self._full_hooks = FullStateDictHooks(module, self.sharded_state.full_values, self._tp)
+        wrap_save_pretrained(
+            module, is_rank0=topology.rank == 0, barrier=lambda: engine.barrier(topology.group("world"))
+        )
+        self.buffer_sync = BufferSync(
+            list(persistent_buffers(module).values()) if broadcast_buffers else [], engine=engine, group=topology.rdp
+        )
+        self.buffer_sync.sync()
         self._nested_prefix: str | None = None  # set while a parent's load_state_dict passes through
         self.register_load_state_dict_post_hook(DistributedModel._forget_inner_missing)
 
     # ---- construction -------------------------------------------------------------------------
 
-    def _split_persistent(self, plans: list[UnitPlan]) -> list[tuple[str, nn.Parameter]]:
+    def _split_persistent(self, plans: list[UnitPlan]) -> tuple[list[tuple[str, nn.Parameter]], dict[int, int]]:
+        """Take the persistent parameters out of the unit plans: (name, param) pairs, and the index of
+        the unit each came from (its modules hold it, runtime/user_params.py)."""
         threshold = self.shardpar_config.sdp_param_persistence_threshold
-        persistent = []
-        for up in plans:
+        persistent: list[tuple[str, nn.Parameter]] = []
+        unit_of: dict[int, int] = {}
+        for i, up in enumerate(plans):
             keep = [(n, p) for n, p in up.params if p.numel() < threshold]
             persistent.extend(keep)
+            unit_of.update((id(p), i) for _, p in keep)
             up.params = [(n, p) for n, p in up.params if p.numel() >= threshold]
-        return persistent
+        return persistent, unit_of
 
     def _build_units(self, plans: list[UnitPlan], materialize: Callable[[nn.Parameter], torch.Tensor]) -> list[Unit]:
         node, cross = self.topology.groups["sharding_node"], self.topology.groups["sharding_cross"]
@@ -154,7 +199,8 @@ class DistributedModel(nn.Module):
         for up in plans:
             # Units without sharded parameters are kept (they communicate nothing): their hooks still
             # hold the parameters they borrow (smp.register_parameter) and mark the start of backward.
-            layout = flat_layout([(n, tuple(p.shape)) for n, p in up.params], comm.sharding.size)
+            align = 1 if self.replicas is None else self.replicas.size  # each shard splits over the replicas
+            layout = flat_layout([(n, tuple(p.shape)) for n, p in up.params], comm.sharding.size, align=align)
             unit = Unit(
                 len(units),
                 up.name or "<root>",
@@ -166,6 +212,8 @@ class DistributedModel(nn.Module):
                 device=self.device,
             )
             unit.take_shards_from_params(materialize)
+            if self.replicas is not None:  # now, unit by unit: one unit's fp32 shard at a time beside the pieces
+                unit.replica = ReplicaShard(unit, self.replicas)
             units.append(unit)
         return units
 
@@ -190,6 +238,27 @@ class DistributedModel(nn.Module):
         flags = torch.tensor([float(b) for b in state.grad_used()], device=self.device)
         agreed = self.persistent.finish_accumulation(flags).tolist()
         self.unused_params = {id(p.param) for p, seen in zip(state.pieces, agreed, strict=True) if seen == 0.0}
+
+    def _on_forward_start(self) -> None:
+        """The root's forward starts: main values a plain optimizer wrote reach the compute copies, and
+        the rdp group's first rank's buffers reach every rank of it (runtime/buffers.py)."""
+        self.sharded_state.refresh_if_written()
+        self.buffer_sync.sync()
+
+    def _publish_grads(self, boundary: bool) -> None:
+        """After each backward: the user parameters' .grad view the main grads ([Note: user gradients],
+        user_params.py); at the end of a window, None for the parameters no rank got a gradient for."""
+        self.user_params.publish_grads(self.unused_params if boundary else ())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) the gradients of the open window, as `optimizer.zero_grad()` does: the main
+        grads behind the user parameters' .grad, and the window's count of backward passes."""
+        self.window.reset()
+        self.nonfinite_losses.zero_()
+        if set_to_none:
+            self.reset_grad_usage()
+            self.user_params.clear_grads()
+        self.sharded_state.clear_grads(set_to_none=set_to_none)
 
     def reset_grad_usage(self) -> None:
         self.sharded_state.reset_grad_usage()
@@ -260,6 +329,21 @@ class DistributedModel(nn.Module):
 
     # ---- nn.Module surface --------------------------------------------------------------------
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> DistributedModel:
+        """`model.to(...)`, `.half()`, `.cuda()`, ...: a no-op where nothing changes; otherwise refused.
+        The parameters are views of the fp32 main shards on the device smp.init chose; converting the
+        views would leave the shards -- and training -- as they were."""
+        for p in self.user_params.user:
+            out = fn(p)
+            if out.dtype != p.dtype or out.device != p.device:
+                raise ValueError(
+                    f"{type(self).__name__}: converting parameter {p.shard_layout.fqn} from {p.dtype} on {p.device} "
+                    f"to {out.dtype} on {out.device} after wrapping is not supported: the parameters are views "
+                    "of the fp32 main shards. Set bf16/fp16 in smp.init for mixed precision (the main shards stay "
+                    "fp32), and build or move the model before smp.DistributedModel for the device"
+                )
+        return self
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._post_partition_hooks:
             self._run_post_partition_hooks()
@@ -268,6 +352,11 @@ class DistributedModel(nn.Module):
     def get_module(self) -> nn.Module:
         """SMP v1: the wrapped module (`model.module`)."""
         return self.module
+
+    @property
+    def partitioned(self) -> bool:
+        """SMP v1: whether the model is partitioned; here it is sharded when wrapped, so always."""
+        return True
 
     # SMP v1's local_* views: with pipeline_parallel_degree 1 every module is this rank's.
     def local_parameters(self) -> Iterator[nn.Parameter]:
@@ -365,7 +454,7 @@ class DistributedModel(nn.Module):
         destination = args[0] if len(args) > 0 else destination
         prefix = args[1] if len(args) > 1 else prefix
         keep_vars = args[2] if len(args) > 2 else keep_vars
-        return nested_state_dict(self.sharded_state, self.module, destination, prefix, keep_vars=keep_vars)
+        return nested_state_dict(self.sharded_state, self.module, destination, prefix, keep_vars=keep_vars, tp=self._tp)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load full tensors (as returned by `state_dict`) into the shards and persistent params; a
@@ -373,12 +462,21 @@ class DistributedModel(nn.Module):
 
         `assign=True` raises ValueError: the parameters are views of their unit's shards, so the
         values are always copied in, never adopted."""
+        if state_dict.get(PARTIAL_KEY):  # SMP v1: smp.save(model.local_state_dict()), then load it back
+            self.sharded_state.load_local_state_dict({k: v for k, v in state_dict.items() if k != PARTIAL_KEY})
+            return _IncompatibleKeys([], [])
         if assign:
             raise ValueError(
                 "load_state_dict(assign=True) is not supported by a DistributedModel: its parameters are "
                 "views of the sharded fp32 main copy, so the values are copied in, not adopted; pass assign=False"
             )
-        return load_full_state_dict(self.sharded_state, self.module, state_dict, strict)
+        return load_full_state_dict(self.sharded_state, self.module, self._tp_local(state_dict), strict)
+
+    def _tp_local(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Under tensor parallelism: this TP rank's piece of each full (Hugging Face layout) tensor."""
+        if self._tp is None:
+            return state_dict
+        return self._tp.local(state_dict, local_param_shapes(self.sharded_state, self.module))
 
     def _load_from_state_dict(
         self,
@@ -395,7 +493,9 @@ class DistributedModel(nn.Module):
         unexpected ones and errors as nn.Module does. torch then recurses into `self.module`, whose
         parameters are size-0 views outside forward and whose keys (`<prefix>module.*`) the dict never
         holds: `_forget_inner_missing` takes those from the missing keys afterwards."""
-        if load_nested(self.sharded_state, self.module, state_dict, prefix, missing_keys, unexpected_keys, error_msgs):
+        mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        local = {prefix + k: v for k, v in self._tp_local(mine).items()}
+        if load_nested(self.sharded_state, self.module, local, prefix, missing_keys, unexpected_keys, error_msgs):
             self._nested_prefix = prefix
 
     @staticmethod
@@ -406,9 +506,10 @@ class DistributedModel(nn.Module):
         forget_inner_missing(prefix, incompatible.missing_keys)
         model._nested_prefix = None
 
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shard of every sharded parameter (1-D) and every persistent parameter."""
-        return self.sharded_state.local_state_dict()
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's shard of every sharded parameter (1-D) and every persistent parameter, with SMP
+        v1's `_smp_is_partial: True`, by which `load_state_dict` takes it back (same topology)."""
+        return {**self.sharded_state.local_state_dict(), PARTIAL_KEY: True}
 
     def live_elements(self) -> int:
         """Unsharded elements alive right now."""
@@ -416,6 +517,18 @@ class DistributedModel(nn.Module):
 
     def all_sharded(self) -> bool:
         return all(u.state is UnitState.SHARDED for u in self.units)
+
+
+def refuse_nested(module: nn.Module) -> None:
+    """A module inside a DistributedModel already (its `.module`, or a part of it) holds sharded
+    parameters: wrapping it again would shard pieces of pieces and train on wrong values."""
+    for name, p in module.named_parameters():
+        if isinstance(p, ShardedTensor):
+            raise ValueError(
+                f"{type(module).__name__} is already inside a smp.DistributedModel (its parameter {name!r} is "
+                "sharded); wrap the plain model once and use that DistributedModel (its .module is the model "
+                "itself, to read, not to wrap again)"
+            )
 
 
 def _module_device(module: nn.Module) -> torch.device:

@@ -76,6 +76,14 @@ does not depend on its position in the tensor: 2 replicas, and the smddp engine 
 AllReduces over 3+ replicas (gloo, NCCL) may round differently. With sdp > 1 the AllReduce would
 need the ReduceScatter's result (and, under accumulation, the main grad added to it) first, so it
 stays at the boundary.
+
+With shard_optimizer_state the bucket of a boundary backward at sdp 1 carries a ReduceScatter over the
+replication group instead of the AllReduce ([Note: replica-sharded main], replica_shard.py). Row j of
+the reduced bucket must then be piece j of every unit, so that backward packs the bucket
+[replicas, width / replicas], each unit's gradient as its own [replicas, w / replicas] block (`split`):
+
+    units A (w 4), B (w 2), 2 replicas:   [ A0 A1 B0 | A2 A3 B1 ]   (row j -> replica j)
+    instead of one row:                   [ A0 A1 A2 A3 B0 B1 ]
 """
 
 from __future__ import annotations
@@ -96,9 +104,13 @@ class BucketPlan:
     columns: tuple[int, ...]
     width: int  # shard elements of all its units: the bucket is [num_shards, width]
 
-    def pieces(self, out: torch.Tensor) -> list[tuple[Unit, torch.Tensor]]:
-        """Each unit with its column range of `out`, this rank's reduced row of the bucket."""
-        return [(u, out[c : c + u.layout.shard_numel]) for u, c in zip(self.units, self.columns, strict=True)]
+    def pieces(self, out: torch.Tensor, split: int = 1) -> list[tuple[Unit, torch.Tensor]]:
+        """Each unit with its column range of `out`, this rank's reduced row of the bucket (of a bucket
+        packed `split` rows per shard: 1/split of each unit's columns)."""
+        return [
+            (u, out[c // split : (c + u.layout.shard_numel) // split])
+            for u, c in zip(self.units, self.columns, strict=True)
+        ]
 
 
 def plan_buckets(units: list[Unit], bucket_size: int) -> list[BucketPlan]:
@@ -128,6 +140,7 @@ class _Inflight:
     plan: BucketPlan
     out: torch.Tensor
     replicated: bool  # `out` holds final main grads, AllReduced over the replication group
+    split: int = 1  # > 1: `out` holds replica pieces, ReduceScattered over the replication group
     retired: bool = False  # the collective completed and its Work (and input) were dropped
 
 
@@ -150,6 +163,8 @@ class GradReducer:
     _inflight: list[_Inflight] = field(default_factory=list)
     # Set by begin_backward: fold and AllReduce each bucket as it is issued ([Note: replication in the bucket]).
     _replicate_scale: float | None = None
+    # Rows per shard of this backward's buckets: the replicas where the bucket carries their ReduceScatter.
+    _split: int = 1
 
     def __post_init__(self) -> None:
         for b, plan in enumerate(self.plans):
@@ -176,6 +191,9 @@ class GradReducer:
         engine reports and a native one may not -- restart the step on every rank."""
         fold = boundary and self.sharding.size == 1 and self.replication.size > 1
         self._replicate_scale = scale if fold else None
+        # shard_optimizer_state: the units' pieces are per replica ([Note: replica-sharded main])
+        owned = fold and all(u.replica is not None for p in self.plans for u in p.units)
+        self._split = self.replication.size if owned else 1
         self._clear()
 
     @property
@@ -199,13 +217,12 @@ class GradReducer:
                 grads = self._grads[b] = [None] * len(self.plans[b].units)
             grads[position] = unit.take_grads(self.reduce_dtype)
         else:
-            buffer = self._buffers[b]
+            buffer, split = self._buffers[b], self._split
             if buffer is None:
-                buffer = torch.empty(
-                    unit.layout.num_shards, self.plans[b].width, dtype=self.reduce_dtype, device=self.device
-                )
+                rows, width = unit.layout.num_shards * split, self.plans[b].width // split
+                buffer = torch.empty(rows, width, dtype=self.reduce_dtype, device=self.device)
                 self._buffers[b] = buffer
-            unit.pack_grads(buffer[:, column : column + unit.layout.shard_numel])
+            unit.pack_grads(buffer[:, column // split : (column + unit.layout.shard_numel) // split])
         unit.reduced = True
         self._arrived[b] += 1
         while self._next < len(self.plans) and self._arrived[self._next] == len(self.plans[self._next].units):
@@ -240,6 +257,9 @@ class GradReducer:
         if bucket is None:
             raise AssertionError(f"bucket {b} is complete but has no buffer")
         self._buffers[b] = None  # the engine keeps it alive while it needs it
+        if self._split > 1:
+            self._issue_replica_pieces(plan, bucket)
+            return
         work: Work = CompletedWork()
         if self.sharding.size == 1:
             out = bucket.reshape(-1)  # one row: this rank's reduced shard already
@@ -251,6 +271,21 @@ class GradReducer:
             out = torch.empty(plan.width, dtype=self.reduce_dtype, device=self.device)
             work = self.engine.reduce_scatter(out, bucket.reshape(-1), self.sharding, op=ReduceOp.AVG, async_op=True)
         self._inflight.append(_Inflight(work, plan, out, replicated=self._replicate_scale is not None))
+
+    def _issue_replica_pieces(self, plan: BucketPlan, bucket: torch.Tensor) -> None:
+        """sdp 1, shard_optimizer_state, a boundary backward: fold each unit's [replicas, w / replicas]
+        block, then ReduceScatter the bucket over the replication group (see the Note above)."""
+        scale, split = self._replicate_scale, self._split
+        if scale is None:
+            raise AssertionError("a bucket split by replica outside a boundary backward")
+        for unit, column in zip(plan.units, plan.columns, strict=True):
+            if unit.replica is None:
+                raise AssertionError(f"unit {unit.name} has no replica piece")
+            block = bucket[:, column // split : (column + unit.layout.shard_numel) // split]
+            unit.replica.fold(unit, block, scale=scale)
+        out = torch.empty(plan.width // split, dtype=self.reduce_dtype, device=self.device)
+        work = self.engine.reduce_scatter(out, bucket.reshape(-1), self.replication, op=ReduceOp.AVG, async_op=True)
+        self._inflight.append(_Inflight(work, plan, out, replicated=True, split=split))
 
     def _issue_in_place(self, b: int) -> _Inflight:
         """Bucket b's ReduceScatter read from the grads themselves ([Note: gradients read in place])."""
@@ -276,8 +311,10 @@ class GradReducer:
             raise AssertionError(f"backward ended with units not added to the reducer: {missing}")
         for item in self._inflight:
             item.work.wait()
-            for unit, piece in item.plan.pieces(item.out):
-                if item.replicated:
+            for unit, piece in item.plan.pieces(item.out, item.split):
+                if item.split > 1 and unit.replica is not None:
+                    unit.replica.take_grad(piece)  # this rank's piece ([Note: replica-sharded main])
+                elif item.replicated:
                     unit.adopt_main_grad(piece)
                 else:
                     unit.accumulate_main_grad(piece, scale=scale)

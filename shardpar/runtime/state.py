@@ -8,6 +8,10 @@ main copy and main grad.
     unit main shard (this rank):   | w.a [start, start+length) | w.b ... | pad |
                                      ^ Piece.local                ^ next Piece.local
     persistent main (every rank):  | p0 | p1 | p2 |              Piece.local = [offset, offset+numel)
+
+With shard_optimizer_state a unit's pieces are those of this rank's part of the shard, and `main` /
+`grad` read that part's fp32 values and grad (`Unit.replica`, [Note: replica-sharded main] in
+replica_shard.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 
 from shardpar.collectives import Engine
 from shardpar.runtime.persistent import PersistentParams
+from shardpar.runtime.replica_shard import ReplicaShard
 from shardpar.runtime.unit import Unit
 from shardpar.topology import Topology
 
@@ -67,6 +72,31 @@ class ShardedState:
         self._unit_pieces = [_unit_pieces(u) for u in units]
         self._persistent_pieces = _persistent_pieces(persistent)
         self.pieces: list[Piece] = [*(p for ps in self._unit_pieces for p in ps), *self._persistent_pieces]
+        # id of a compute or user parameter -> its piece; the user parameters are added by user_params.py
+        self._piece_of: dict[int, Piece] = {id(p.param): p for p in self.pieces}
+        self._user_of: dict[int, torch.Tensor] = {}  # id(compute parameter) -> its user parameter
+        self.main_written = False  # see mark_written
+        # shard_optimizer_state: the units' grads are disjoint over the rdp group, not only the sharding group.
+        self.replica_sharded = any(u.replica is not None for u in units)
+        # ... and under bf16/fp16 no rank has a unit's full fp32 values without the other replicas.
+        self.gathers_over_replicas = any(u.replica is not None and u.replica.gathers_over_replicas for u in units)
+
+    def add_user(self, piece: Piece, user: torch.Tensor) -> None:
+        """The user parameter standing for `piece`'s parameter outside forward (user_params.py)."""
+        self._piece_of[id(user)] = piece
+        self._user_of[id(piece.param)] = user
+
+    def piece_of(self, param: object) -> Piece | None:
+        """The piece of a compute or user parameter of this model; None for anything else (a module
+        holds the user parameter outside its unit's forward and the compute one inside)."""
+        return self._piece_of.get(id(param))
+
+    def piece_of_id(self, param_id: int) -> Piece | None:
+        return self._piece_of.get(param_id)
+
+    def user_of(self, piece: Piece) -> torch.Tensor:
+        """The user parameter of `piece` (the compute one until user_params.py made it)."""
+        return self._user_of.get(id(piece.param), piece.param)
 
     @property
     def num_units(self) -> int:
@@ -77,28 +107,29 @@ class ShardedState:
     def main(self, piece: Piece) -> torch.Tensor:
         """The piece's fp32 main values (a view): flat when sharded, the parameter's shape when persistent."""
         if piece.sharded:
-            return self._units[piece.unit].main_shard[piece.local]
+            unit = self._units[piece.unit]
+            return (unit.main_shard if unit.replica is None else unit.replica.main)[piece.local]
         return self._persistent.main_view(piece.pos)
 
     def grad(self, piece: Piece) -> torch.Tensor | None:
         """The piece's fp32 main grad (a view shaped like `main(piece)`); None when there is none."""
         if piece.sharded:
-            grad = self._units[piece.unit].main_grad
+            grad = _stepped_grad(self._units[piece.unit])
             return None if grad is None else grad[piece.local]
         return self._persistent.grad_view(piece.pos)
 
     def main_grads(self) -> list[torch.Tensor]:
         """Every flat main grad that exists: the units', then the persistent one."""
-        grads = [u.main_grad for u in self._units if u.main_grad is not None]
+        grads = [g for g in map(_stepped_grad, self._units) if g is not None]
         persistent = self._persistent.main_grad
         return grads + ([persistent] if persistent is not None else [])
 
     def grad_blocks(self) -> list[GradBlock]:
         """The main grads with the pieces they hold, in main_grads() order (for the grad norm)."""
         blocks = [
-            GradBlock(u.main_grad, False, pieces)
-            for u, pieces in zip(self._units, self._unit_pieces, strict=True)
-            if u.main_grad is not None
+            GradBlock(grad, False, pieces)
+            for grad, pieces in zip(map(_stepped_grad, self._units), self._unit_pieces, strict=True)
+            if grad is not None
         ]
         if self._persistent.main_grad is not None:
             blocks.append(GradBlock(self._persistent.main_grad, True, self._persistent_pieces))
@@ -108,13 +139,28 @@ class ShardedState:
 
     def refresh_compute(self) -> None:
         """After the fp32 main values changed (a step, a load): update the compute-dtype copies."""
+        self.main_written = False
         for unit in self._units:
             unit.refresh_compute()
         self._persistent.refresh_compute()
 
+    def mark_written(self) -> None:
+        """Main values were written outside an optimizer step (a plain torch optimizer on the user
+        parameters, `p.data = ...`): the compute copies refresh before the next forward."""
+        self.main_written = True
+
+    def refresh_if_written(self) -> None:
+        """Before a forward: refresh after `mark_written`. Every rank runs the same writes (each rank's
+        user parameters see the same ops, empty pieces included), so every rank refreshes alike -- a
+        collective with shard_optimizer_state."""
+        if self.main_written:
+            self.refresh_compute()
+
     def clear_grads(self, *, set_to_none: bool) -> None:
         """Drop (set_to_none) or zero every main grad."""
-        for holder in self._holders():
+        replicas = [u.replica for u in self._units if u.replica is not None]
+        holders: list[Unit | PersistentParams | ReplicaShard] = [*self._holders(), *replicas]
+        for holder in holders:
             if set_to_none:
                 holder.main_grad = None
             elif holder.main_grad is not None:
@@ -139,6 +185,7 @@ class ShardedState:
     def gather_unit(self, index: int) -> torch.Tensor | None:
         """Unit `index`'s full flat fp32 main values, padded (one AllGather over the sharding group);
         a piece's parameter is at [offset, offset + numel). None for a unit without elements."""
+        self.refresh_if_written()  # with shard_optimizer_state the fp32 shard holds other replicas' pieces
         return self._units[index].gather_main()
 
     def persistent_main(self) -> torch.Tensor:
@@ -147,6 +194,7 @@ class ShardedState:
 
     def full_values(self) -> dict[str, torch.Tensor]:
         """Every parameter at full size, fp32, cloned, by piece name: gathered unit by unit."""
+        self.refresh_if_written()
         out: dict[str, torch.Tensor] = {}
         for unit in self._units:
             out.update(unit.full_params())
@@ -164,8 +212,36 @@ class ShardedState:
         """This rank's piece of every parameter (1-D when sharded), cloned."""
         return {p.fqn: self.main(p).detach().clone() for p in self.pieces}
 
+    def load_local_state_dict(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Take back `local_state_dict()` of this rank under the same topology; every check runs before
+        anything is written. Another topology's pieces would land in the wrong places."""
+        problems = [f"{p.fqn} missing" for p in self.pieces if p.fqn not in values]
+        problems += [
+            f"{p.fqn}: {list(values[p.fqn].shape)} here, this rank holds {list(self.main(p).shape)}"
+            for p in self.pieces
+            if p.fqn in values and tuple(values[p.fqn].shape) != tuple(self.main(p).shape)
+        ]
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise ValueError(
+                f"load_state_dict of a partial (local) state dict: {'; '.join(problems[:3])}{more}. A local state "
+                "dict loads only into the rank and topology that saved it; to change world size, "
+                "sharded_data_parallel_degree or tensor_parallel_degree use smp.save_checkpoint / "
+                "smp.resume_from_checkpoint, which reshard"
+            )
+        with torch.no_grad():
+            for p in self.pieces:
+                self.main(p).copy_(values[p.fqn])
+        self.refresh_compute()
+
+
+def _stepped_grad(unit: Unit) -> torch.Tensor | None:
+    """The fp32 main grad the optimizer steps the unit with: this rank's piece's with shard_optimizer_state."""
+    return unit.main_grad if unit.replica is None else unit.replica.main_grad
+
 
 def _unit_pieces(unit: Unit) -> list[Piece]:
+    slices = unit.slices if unit.replica is None else unit.replica.slices
     return [
         Piece(
             sl.spec.fqn,
@@ -179,7 +255,7 @@ def _unit_pieces(unit: Unit) -> list[Piece]:
             sl.spec.offset,
             sl.local,
         )
-        for j, (p, sl) in enumerate(zip(unit.params, unit.slices, strict=True))
+        for j, (p, sl) in enumerate(zip(unit.params, slices, strict=True))
     ]
 
 

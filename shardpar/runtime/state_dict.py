@@ -12,7 +12,9 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 
+from shardpar.collectives import Engine, Group
 from shardpar.runtime.state import ShardedState
+from shardpar.sharding.tp_split import TPSplit
 
 
 def param_aliases(module: nn.Module) -> dict[int, list[str]]:
@@ -21,6 +23,16 @@ def param_aliases(module: nn.Module) -> dict[int, list[str]]:
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     return aliases
+
+
+def local_param_shapes(state: ShardedState, module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every state-dict name of a parameter -> the module's (TP-local) shape of it."""
+    out: dict[str, tuple[int, ...]] = {}
+    for param_id, names in param_aliases(module).items():
+        piece = state.piece_of_id(param_id)
+        if piece is not None:
+            out.update((n, piece.shape) for n in names)
+    return out
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -35,11 +47,11 @@ def full_state_dict(state: ShardedState, module: nn.Module, *, keep_vars: bool =
     are cloned, or with `keep_vars` the module's own tensors, as torch gives them; a parameter is always
     a new tensor (a sharded one has no full tensor to hand out)."""
     values = state.full_values()
-    full = {id(p.param): values[p.fqn] for p in state.pieces}
     out: dict[str, Any] = OrderedDict()
     for key, value in module.state_dict(keep_vars=True).items():
-        if id(value) in full:
-            out[key] = full[id(value)]
+        piece = state.piece_of(value)  # the user parameter outside forward, the compute one inside
+        if piece is not None:
+            out[key] = values[piece.fqn]
         else:
             out[key] = value if keep_vars else value.detach().clone()
     return out
@@ -82,7 +94,8 @@ def _plan_load(state: ShardedState, module: nn.Module, state_dict: Mapping[str, 
     known = list(module.state_dict(keep_vars=True))  # parameters, persistent buffers, extra state
     known_set = set(known)
     buffers = persistent_buffers(module)
-    own = {id(p.param): p.fqn for p in state.pieces}  # the one name its unit or the persistent table uses
+    # the one name its unit or the persistent table uses, by the id of the object the module holds
+    own = {pid: piece.fqn for pid in aliases if (piece := state.piece_of_id(pid)) is not None}
     _check_shapes(state, state_dict, aliases, own, buffers)
     values, absent = {}, set(buffers)
     for param_id, name in own.items():
@@ -155,10 +168,14 @@ def nested_state_dict(
     prefix: str,
     *,
     keep_vars: bool,
+    tp: TPLayout | None = None,
 ) -> dict[str, Any]:
-    """`full_state_dict` under `prefix`, written into `destination` when given (a parent's dict, whose
-    `_metadata` gets the module versions its load_state_dict reads, as nn.Module writes them)."""
+    """`full_state_dict` under `prefix` (in the Hugging Face layout under tensor parallelism), written
+    into `destination` when given (a parent's dict, whose `_metadata` gets the module versions its
+    load_state_dict reads, as nn.Module writes them)."""
     full = full_state_dict(state, module, keep_vars=keep_vars)
+    if tp is not None:
+        full = tp.gather(full)
     if destination is None and not prefix:
         return full
     out: dict[str, Any] = OrderedDict() if destination is None else destination
@@ -199,3 +216,41 @@ def load_nested(
 def forget_inner_missing(prefix: str, missing_keys: list[str]) -> None:
     inner = prefix + "module."
     missing_keys[:] = [k for k in missing_keys if not k.startswith(inner)]
+
+
+# ---- tensor parallelism: the Hugging Face layout ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How the module's TP-split parameters relate to the full ones, and how to gather them."""
+
+    splits: Mapping[str, TPSplit]  # by FQN, every name of a parameter (tp_split_table)
+    engine: Engine
+    group: Group  # this rank's TP group
+    rank: int  # this rank's position in it
+
+    def gather(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """TP-local tensors -> the full Hugging Face layout (a collective over the TP group: every TP
+        rank calls it with the same keys, in the same order)."""
+        for key, value in state_dict.items():
+            split = self.splits.get(key)
+            if split is None or not isinstance(value, torch.Tensor):
+                continue
+            local = value.detach().contiguous()
+            out = torch.empty(self.group.size * local.numel(), dtype=local.dtype, device=local.device)
+            self.engine.all_gather(out, local.view(-1), self.group)
+            state_dict[key] = split.full_of(list(out.view(self.group.size, *local.shape).unbind(0)))
+        return state_dict
+
+    def local(self, state_dict: Mapping[str, Any], local_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+        """This TP rank's piece of each full-layout tensor of `state_dict`; a tensor already of the
+        TP-local shape is taken as it is (what `local_state_dict`-era code saved)."""
+        out = dict(state_dict)
+        for key, value in state_dict.items():
+            split, shape = self.splits.get(key), local_shapes.get(key)
+            if split is None or shape is None or not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape) == split.full_shape(shape):
+                out[key] = split.local_of(value, self.rank)
+        return out

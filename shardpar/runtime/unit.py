@@ -60,6 +60,7 @@ from torch import nn
 from shardpar.collectives import ReduceOp, Span, Work
 from shardpar.precision import DtypePolicy
 from shardpar.runtime.holds import Hold, HoldKind, UnitState
+from shardpar.runtime.replica_shard import ReplicaShard
 from shardpar.runtime.unit_comm import UnitComm
 from shardpar.sharding.layout import FlatLayout, ParamSlice
 
@@ -119,6 +120,10 @@ class Unit:
         self.reduced = False  # in the running backward
         # Which parameters got a gradient in this accumulation window (see [Note: unused params]).
         self.grad_used = [False] * len(params)
+        # shard_optimizer_state: this rank's piece of the shard's fp32 state, set by the model once the
+        # shard is taken ([Note: replica-sharded main], replica_shard.py); None: the whole shard is stepped.
+        # Under bf16/fp16 main_shard is then empty: the piece's fp32 values are the only ones kept.
+        self.replica: ReplicaShard | None = None
 
     # ---- initial sharding --------------------------------------------------------------------
 
@@ -146,6 +151,9 @@ class Unit:
 
     def refresh_compute(self) -> None:
         """After the optimizer stepped the fp32 main shard: refresh the half-precision copy."""
+        if self.replica is not None:
+            self.replica.refresh(self)  # AllGather of the stepped pieces over the replication group
+            return
         if self.compute_dtype == torch.float32:
             return
         if self._compute_shard is None:
@@ -332,6 +340,9 @@ class Unit:
 
     def finish_accumulation(self) -> None:
         """At the accumulation boundary: average the main grad over the replication group."""
+        if self.replica is not None:
+            self.replica.finish_accumulation(self)  # a ReduceScatter to this rank's piece instead
+            return
         if self.main_grad is None or self.comm.replication.size == 1:
             return
         if self.policy.reduce == torch.float32:
@@ -360,7 +371,8 @@ class Unit:
         if self.layout.numel == 0:
             return None
         full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
-        self.comm.engine.all_gather(full, self.main_shard, self.comm.sharding)
+        shard = self.main_shard if self.replica is None else self.replica.main_shard_values(self)
+        self.comm.engine.all_gather(full, shard, self.comm.sharding)
         return full
 
     def full_params(self) -> dict[str, torch.Tensor]:
@@ -373,10 +385,13 @@ class Unit:
     def load_full_params(self, values: dict[str, torch.Tensor]) -> None:
         """Set the main shard from full parameter values (every rank passes the same values)."""
         with torch.no_grad():
-            for sl in self.slices:
-                if sl.length and sl.spec.fqn in values:
-                    self.main_shard[sl.local].copy_(values[sl.spec.fqn].reshape(-1)[sl.param])
-            self.refresh_compute()
+            if self.replica is not None:
+                self.replica.load_full(self, values)
+            else:
+                for sl in self.slices:
+                    if sl.length and sl.spec.fqn in values:
+                        self.main_shard[sl.local].copy_(values[sl.spec.fqn].reshape(-1)[sl.param])
+                self.refresh_compute()
             if self.state is not UnitState.SHARDED and self._full is not None:
                 self.wait_for_unshard()
                 for p, spec in zip(self.params, self.layout.specs, strict=True):

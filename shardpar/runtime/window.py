@@ -45,6 +45,13 @@ class AccumulationWindow:
         return self._num_backward
 
     @property
+    def num_done(self) -> int:
+        """Backward passes of the open window so far (0 after a boundary or `reset`): integrations that
+        follow another library's accumulation signal (accelerate's `sync_gradients`) place the boundary
+        with it."""
+        return self._done
+
+    @property
     def loss_scale(self) -> float:
         """What `model.backward` multiplies the loss by (the optimizer divides it out again)."""
         return self._loss_scale

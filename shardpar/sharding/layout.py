@@ -11,6 +11,10 @@ AllGather per unit instead of one per parameter -- gloo's fixed cost per call is
 
 A parameter may straddle shards; each rank's piece of it is `ParamSlice.local` (shard coordinates)
 and `ParamSlice.param` (coordinates inside the flattened parameter).
+
+With shard_optimizer_state every shard is further cut into one equal piece per replica ([Note:
+replica-sharded main], runtime/replica_shard.py): `align` = the number of replicas pads the shard to
+a multiple of it, and `owned_layout` is the same buffer cut sdp x replicas ways.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class ParamSlice:
 class FlatLayout:
     specs: tuple[ParamSpec, ...]
     num_shards: int
+    align: int = 1  # shard_numel is a multiple of it (the replicas, with shard_optimizer_state)
 
     @property
     def numel(self) -> int:
@@ -57,7 +62,7 @@ class FlatLayout:
 
     @property
     def shard_numel(self) -> int:
-        return -(-self.numel // self.num_shards)  # ceil
+        return -(-self.numel // (self.num_shards * self.align)) * self.align  # ceil, then aligned
 
     @property
     def padded_numel(self) -> int:
@@ -86,10 +91,21 @@ class FlatLayout:
         return tuple(out)
 
 
-def flat_layout(params: list[tuple[str, tuple[int, ...]]], num_shards: int) -> FlatLayout:
-    """Lay `(fqn, shape)` pairs end to end, in the order given."""
-    if num_shards < 1:
-        raise AssertionError(f"num_shards={num_shards} must be >= 1")
+def owned_layout(layout: FlatLayout, num_pieces: int) -> FlatLayout:
+    """The same buffer cut into `num_pieces` equal pieces per shard: piece `shard * num_pieces + j` is
+    the j-th of shard `shard` (the piece replica j owns under shard_optimizer_state)."""
+    if layout.shard_numel % num_pieces:
+        raise AssertionError(f"shard of {layout.shard_numel} elements does not split into {num_pieces} pieces")
+    owned = FlatLayout(layout.specs, layout.num_shards * num_pieces)
+    if owned.padded_numel != layout.padded_numel:
+        raise AssertionError(f"owned pieces cover {owned.padded_numel} elements, the shards {layout.padded_numel}")
+    return owned
+
+
+def flat_layout(params: list[tuple[str, tuple[int, ...]]], num_shards: int, *, align: int = 1) -> FlatLayout:
+    """Lay `(fqn, shape)` pairs end to end, in the order given; each shard a multiple of `align`."""
+    if num_shards < 1 or align < 1:
+        raise AssertionError(f"num_shards={num_shards} and align={align} must be >= 1")
     specs, offset = [], 0
     for fqn, shape in params:
         numel = 1
@@ -97,4 +113,4 @@ def flat_layout(params: list[tuple[str, tuple[int, ...]]], num_shards: int) -> F
             numel *= d
         specs.append(ParamSpec(fqn, tuple(shape), numel, offset))
         offset += numel
-    return FlatLayout(tuple(specs), num_shards)
+    return FlatLayout(tuple(specs), num_shards, align)

@@ -65,6 +65,12 @@ class ModuleMarks:
             if m is not None and m not in self._marks:
                 self._marks[m] = options
 
+    def set(self, module: nn.Module, options: TPOptions) -> None:
+        """Mark an existing module (`smp.set_tensor_parallelism`): enabling marks `module`, so its
+        unmarked descendants follow it; disabling marks its whole subtree, context marks included."""
+        for m in module.modules() if not options.enabled else (module,):
+            self._marks[m] = options
+
     def resolve(self, root: nn.Module, default: TPOptions | None) -> dict[int, TPOptions | None]:
         """id(module) -> the options that apply to it (its own mark, else its parent's, else `default`)."""
         out: dict[int, TPOptions | None] = {}

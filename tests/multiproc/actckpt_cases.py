@@ -8,14 +8,15 @@ import torch
 from torch import nn
 
 import shardpar as smp
+from shardpar.api import context as smp_context
 from tests import models
 
 SHARDED = {"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 0.0}
 STEPS = 3
 
 
-def _neox(dropout: float) -> nn.Module:
-    module = models.tiny_neox()
+def _neox(dropout: float, layers: int = 2) -> nn.Module:
+    module = models.tiny_neox(layers=layers)
     for m in module.modules():
         if isinstance(m, nn.Dropout):
             m.p = dropout
@@ -50,12 +51,22 @@ def train_case(
     when: str = "before_wrap",
     dropout: float = 0.0,
     preserve_rng_state: bool = True,
+    layers: int = 2,
+    offload_horizon: int | None = None,
 ) -> dict[str, Any]:
     """STEPS SGD steps of tiny GPT-NeoX at sdp 2 with every parameter sharded, each rank on its 2 sequences;
     `strategy` None trains without checkpointing. Dropout masks come from a per-rank, per-step seed, so a
-    checkpointed run and a plain one draw the same masks in forward."""
-    smp.init(SHARDED)
-    module = _neox(dropout)
+    checkpointed run and a plain one draw the same masks in forward. `offload_horizon` turns on
+    offload_activations with that activation_loading_horizon; the offloader's events come back with the
+    layers named by index."""
+    offload = (
+        {} if offload_horizon is None else {"offload_activations": True, "activation_loading_horizon": offload_horizon}
+    )
+    smp.init({**SHARDED, **offload})
+    offloader = smp_context.activation_offloader()
+    if offloader is not None:
+        offloader.stats.events = []
+    module = _neox(dropout, layers)
     if strategy is not None and when == "before_wrap":
         _checkpoint(module, target, strategy, preserve_rng_state)
     counts = _count_calls(module)
@@ -82,8 +93,13 @@ def train_case(
         "layer_class": type(module.gpt_neox.layers[0]).__name__,
         "all_sharded": model.all_sharded(),
     }
+    if offloader is not None:
+        index = {id(layer): i for i, layer in enumerate(module.gpt_neox.layers)}
+        result["offload_events"] = [(kind, index[id(m)]) for kind, m in offloader.stats.events or []]
+        result["offload_counts"] = (offloader.stats.num_offloaded, offloader.stats.num_reloaded)
+        result["offload_bytes"] = offloader.stats.bytes_offloaded
     if dropout == 0.0:  # the single-process reference on the whole batch
-        ref = _neox(0.0)
+        ref = _neox(0.0, layers)
         ref.train()
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         for step in range(STEPS):

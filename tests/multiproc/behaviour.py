@@ -379,7 +379,12 @@ def state_dict_case() -> dict[str, Any]:
         bad_error = str(exc)
     after_bad = fresh.state_dict()
     osd = opt.state_dict()
-    local_numel = sum(v.numel() for v in local.values())
+    local_numel = sum(v.numel() for v in local.values() if isinstance(v, torch.Tensor))
+    # SMP v1: a local state dict (marked partial) goes back into the same rank and topology
+    partial_ok = local.get("_smp_is_partial") is True
+    other = smp.DistributedModel(models.UnevenMLP())  # freshly initialised: not the stepped values
+    other.load_state_dict(local)
+    partial_roundtrip = max((other.state_dict()[k] - full[k]).abs().max().item() for k in full)
     state_numel = sum(s["exp_avg"].numel() for s in osd["state"].values())
     return {
         "keys_equal": list(full) == list(models.UnevenMLP().state_dict()),
@@ -388,6 +393,7 @@ def state_dict_case() -> dict[str, Any]:
         "bad_keys": (first, last, tuple(full[first].shape), tuple(full[last].shape)),
         "unchanged_after_bad": all(torch.equal(after_bad[k], again[k]) for k in again),
         "local_numel": local_numel,
+        "partial": (partial_ok, partial_roundtrip),
         "state_numel": state_numel,
         "full_numel": sum(v.numel() for v in full.values()),
         "shapes_ok": all(tuple(full[k].shape) == tuple(v.shape) for k, v in models.UnevenMLP().state_dict().items()),

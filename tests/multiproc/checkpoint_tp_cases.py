@@ -87,7 +87,7 @@ def _to_hf(model: Any, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def hf_params(model: Any) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in _to_hf(model, model.state_dict()).items()}
+    return {k: v.clone() for k, v in model.state_dict().items()}  # full, in the HF layout at any tp
 
 
 def hf_moments(model: Any, opt: Any) -> dict[str, torch.Tensor]:

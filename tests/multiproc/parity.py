@@ -99,6 +99,9 @@ def run_parity(
             "sharded_units": float(len(model.units)),
             "unit_names": [u.name for u in model.units],
             "all_sharded": float(model.all_sharded()),
+            # sharded elements the optimizer steps against the shards' (shard_optimizer_state: 1/replicas)
+            "stepped_numel": float(sum(p.length for p in model.sharded_state.pieces if p.sharded)),
+            "shard_numel": float(sum(u.layout.shard_numel for u in model.units)),
         }
     finally:
         smp.shutdown()

@@ -30,6 +30,12 @@ def _train_curve(knobs: dict[str, Any], steps: int, *, model_name: str = "neox")
         model = smp.DistributedModel(BUILDERS[model_name]())
         opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
         rank, world = smp.rank(), smp.size()
+        # The dtype the layers compute in: the compute parameters a block holds during its forward
+        # (outside forward the modules hold the fp32 main parameters, runtime/user_params.py).
+        seen: set[str] = set()
+        for block in model.module.modules():
+            if type(block).__name__.endswith("Layer"):
+                block.register_forward_pre_hook(lambda m, a: seen.update(str(p.dtype) for p in m.parameters()))
         batches = [models.lm_batch(i, 2 * world) for i in range(4)]  # a small set, seen repeatedly
         curve: list[float] = []
         step_bytes: dict[str, int] = {}
@@ -43,9 +49,15 @@ def _train_curve(knobs: dict[str, Any], steps: int, *, model_name: str = "neox")
             if step == 0:
                 step_bytes = _bytes_by(smp.comm_stats().history[-1])
             curve.append(sum(smp.allgather(loss.item())) / world)
-        dtypes = sorted({str(p.dtype) for p in model.module.parameters()})
+        outside = sorted({str(p.dtype) for p in model.module.parameters()})
         ag_bytes = sum(b for k, b in step_bytes.items() if k.startswith("all_gather/"))
-        return {"curve": curve, "ag_bytes": ag_bytes, "bytes": step_bytes, "param_dtypes": dtypes}
+        return {
+            "curve": curve,
+            "ag_bytes": ag_bytes,
+            "bytes": step_bytes,
+            "param_dtypes": sorted(seen),
+            "outside_dtypes": outside,
+        }
     finally:
         smp.shutdown()
 

@@ -104,6 +104,7 @@ def test_state_dicts(ranks) -> None:
         assert f"size mismatch for {first}: the checkpoint has shape {grown}, the model {first_shape}" in r["bad_error"]
         assert f"{last}: the checkpoint has shape (1,), the model {last_shape}" in r["bad_error"]
         assert r["unchanged_after_bad"]
+        assert r["partial"] == (True, 0.0), "a local state dict (v1's _smp_is_partial) loads back"
         counts["local"] += r["local_numel"]
         assert r["state_numel"] <= r["local_numel"]
     full = results[0]["full_numel"]

@@ -16,7 +16,8 @@ def _assert_tracks_fp32(res: dict, *, bound: float = 0.02) -> None:
         curve = res[key]["curve"]
         worst = max(abs(a - b) / b for a, b in zip(curve, fp32, strict=True))
         assert worst <= bound, f"{key}: loss deviates {worst:.2%} from fp32"
-        assert res[key]["param_dtypes"] == ["torch.bfloat16"], res[key]["param_dtypes"]
+        assert res[key]["param_dtypes"] == ["torch.bfloat16"], res[key]["param_dtypes"]  # computes in bf16
+        assert res[key]["outside_dtypes"] == ["torch.float32"], res[key]["outside_dtypes"]  # fp32 main params
     assert res["fp32"]["param_dtypes"] == ["torch.float32"]
 
 

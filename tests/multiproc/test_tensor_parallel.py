@@ -85,4 +85,4 @@ def test_invalid_combinations_raise_clear_errors(ranks) -> None:
     assert "prescaled_batch=True" in m["no_prescaled"] and "tensor_parallel_degree=2" in m["no_prescaled"]
     assert "num_key_value_heads=1" in m["kv_heads"] and "[1]" in m["kv_heads"]
     assert "tensor_parallelism=True" in m["not_converted"]
-    assert m["converted_first"] == "{'gpt_neox.embed_in.weight': (48, 32)} []", m["converted_first"]
+    assert m["converted_first"] == "{'gpt_neox.embed_in.weight': ((96, 32), (48, 32))} []", m["converted_first"]

@@ -14,6 +14,7 @@ def test_v1_ranks_and_process_groups(ranks) -> None:
         assert r["ranks"] == r["expected"], r
         assert r["summed"] == {name: len(members) for name, members in r["expected"].items()}
         assert r["same_pp_handle"]
+        assert r["lists"] == r["expected"] and r["barriers"] == "ok"
 
 
 def test_v1_broadcast_send_and_recv_from(ranks) -> None:

@@ -172,7 +172,7 @@ def tp_parity(
                 raise AssertionError("clipping is on, so the optimizer must have computed the grad norm")
             diffs["norm"] = max(diffs["norm"], abs(opt.last_grad_norm.item() - ref_norm.item()))
         tp_losses = smp.allgather(mine, smp.CommGroup.TP_GROUP)
-        consolidated = gather_full_state_dict(model.state_dict(), tp_split_table(model.module), _tp_comm())
+        consolidated = model.state_dict()  # full, in the Hugging Face layout at any tp
         stats = model.comm_stats()
         return {
             **diffs,
@@ -235,7 +235,12 @@ def facade_errors() -> dict[str, str]:
             warnings.simplefilter("always")
             converted = convert_hf_model(models.tiny_neox(), _tp_comm())
             wrapped = smp.DistributedModel(converted, tensor_parallelism=True)
-        shapes = {n: tuple(p.shape) for n, p in wrapped.module.named_parameters() if "embed_in" in n}
+        # (full shape the user sees, this TP rank's shape): converted twice would halve both again
+        shapes = {
+            n: (tuple(p.shape), wrapped.sharded_state.piece_of(p).shape)
+            for n, p in wrapped.module.named_parameters()
+            if "embed_in" in n
+        }
         messages["converted_first"] = f"{shapes} {[str(w.message) for w in caught]}"
     finally:
         smp.shutdown()

@@ -45,7 +45,27 @@ def groups_case() -> dict[str, Any]:
         },
         "summed": summed,
         "same_pp_handle": smp.get_pp_process_group() is handles["pp"],
+        "lists": {  # v1's get_*_group(): the same members as global ranks
+            "dp": smp.get_dp_group(),
+            "mp": smp.get_mp_group(),
+            "tp": smp.get_tp_group(),
+            "rdp": smp.get_rdp_group(),
+            "pp": smp.get_pp_group(),
+        },
+        "barriers": _barriers(),
     }
+
+
+def _barriers() -> str:
+    smp.dp_barrier()  # every rank
+    smp.mp_barrier()  # the TP group only: ranks of other TP groups need not come
+    if smp.tp_rank() == 0:
+        smp.mp_barrier()
+        smp.mp_barrier()
+    else:
+        smp.barrier(smp.MP_GROUP)
+        smp.barrier(smp.TP_GROUP)
+    return "ok"
 
 
 def p2p_case() -> dict[str, Any]:

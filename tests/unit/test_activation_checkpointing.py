@@ -260,3 +260,27 @@ def test_a_forward_without_backward_leaves_no_frame_alive(loop: str) -> None:
     assert frames() == before + 1
     del loss
     assert frames() == before
+
+
+@pytest.mark.parametrize("strategy", ["each", "group_2", "contiguous"])
+def test_v1_functional_checkpoints(strategy: str) -> None:
+    """smdistributed.modelparallel.torch.patches.checkpoint's two functions, imported the v1 way."""
+    from shardpar.patches.checkpoint import checkpoint, checkpoint_sequential
+
+    ref = Net(sequential=True)
+    net = copy.deepcopy(ref)
+    calls = _calls(net)
+    x = torch.randn(5, 13, requires_grad=True)
+    ours = checkpoint_sequential(net.blocks, x, strategy=strategy, pack_args_as_tuple=False).square().mean()
+    ours.backward()
+    ref.blocks(x.detach().requires_grad_()).square().mean().backward()
+    assert _equal([p.grad for p in net.parameters()], [p.grad for p in ref.parameters()])
+    assert calls == [2, 2, 2, 2]  # forward + recomputation
+    block = net.blocks[0]
+    block.zero_grad()
+    checkpoint(block, x, preserve_rng_state=False).sum().backward()
+    assert calls[0] == 4
+    with pytest.raises(TypeError, match=r"needs an nn\.Module"):
+        checkpoint(torch.tanh, x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"needs an nn\.Sequential"):
+        checkpoint_sequential(nn.ModuleList([block]), x)  # type: ignore[arg-type]

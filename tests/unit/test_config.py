@@ -142,20 +142,11 @@ def test_world_rules(knobs: dict, world: int, pattern: str) -> None:
             {"sharded_data_parallel_degree": 2, "partitions": 2},
             r"pipeline_parallel_degree=2: shardpar has no pipeline parallelism",
         ),
-        # sdp 1 too: there is no pipeline and no other optimizer-state sharding, so they were ignored
+        # sdp 1 too: there is no pipeline, so it would be ignored
         ({"pipeline_parallel_degree": 2}, r"pipeline_parallel_degree=2: shardpar has no pipeline parallelism"),
-        (
-            {"shard_optimizer_state": True},
-            r"shard_optimizer_state=True with sharded_data_parallel_degree=1: to shard the optimizer state, use "
-            r"sharded_data_parallel_degree > 1",
-        ),
         (
             {"partitions": 2, "pipeline_parallel_degree": 1},
             r"partitions=2 and pipeline_parallel_degree=1 disagree \(partitions is the SageMaker v1 name",
-        ),
-        (
-            {"sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
-            r"shard_optimizer_state=True with sharded_data_parallel_degree=2: .* set shard_optimizer_state=False",
         ),
         ({"fp16": True, "bf16": True}, r"fp16=True and bf16=True were both set; choose one"),
         (
@@ -246,3 +237,12 @@ def test_config_is_frozen_and_replace_revalidates() -> None:
         cfg.replace(fp16=True, bf16=True)
     with pytest.raises(TypeError, match="config must be a dict"):
         Config.from_any(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sdp, world", [(1, 4), (2, 4), (4, 8), (8, 8)])
+def test_shard_optimizer_state_is_accepted_at_any_sdp(sdp: int, world: int) -> None:
+    """Issue 23: the knob shards the fp32 state over the replicas too (refused at sdp > 1 until then);
+    with one replica (sdp = world) it changes nothing and is accepted as well."""
+    cfg = Config.from_dict({"sharded_data_parallel_degree": sdp, "shard_optimizer_state": True}, env={})
+    cfg.check_world(world)
+    assert cfg.shard_optimizer_state

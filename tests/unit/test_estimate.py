@@ -16,6 +16,7 @@ from torch import nn
 
 from shardpar.cli import estimate as est
 from shardpar.cli import main
+from shardpar.cli import memory_model as mm
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +200,8 @@ def test_cli_recommends_and_checks_the_reference(capsys: pytest.CaptureFixture[s
     assert "smallest sharded_data_parallel_degree that fits: 16" in out
     assert main(["estimate", "--reference"]) == 0
     out = capsys.readouterr().out
-    assert out.count("-> fits") == 4 and "tp 8 + offload" in out
+    rows = [line for line in out.splitlines() if line.startswith("  gpt-neox")]
+    assert sum("-> fits" in line for line in rows) == 4 and "tp 8 + offload" in out
     assert main(["estimate", "--params", "65e9", "--nodes", "1", "--batch", "8"]) == 1
     assert "nothing fits" in capsys.readouterr().out
 
@@ -296,3 +298,59 @@ def test_gpt_neox_shape_from_dims_is_the_models_own(hidden: int, layers: int, vo
     dims = est.shape_from_dims(hidden, layers, vocab=vocab, num_heads=hidden // 64)
     fields = ("unit_numels", "persistent_numel", "kinds", "max_tensor_numel", "persistent_per_unit")
     assert {f: getattr(dims, f) for f in fields} == {f: getattr(real, f) for f in fields}
+
+
+def test_shard_optimizer_state_splits_the_fp32_state_over_the_replicas(neox20b: est.ModelShape) -> None:
+    """Issue 23: with R replicas the fp32 master (mixed precision only: in fp32 the shard is the master),
+    main grads and Adam state are 1/R of the shard, each unit padded to a multiple of sdp x R; the compute
+    shard stays; a shard-sized main grad lives until the boundary ReduceScatter."""
+    shape = est.shape_from_num_params(4.07e8, hidden=2048, num_layers=8, num_heads=16, vocab=1000)
+    units, p = shape.unit_numels, shape.persistent_numel
+    for precision, c in (("bf16", 2), ("fp32", 4)):
+        setup = est.Setup(sdp=4, precision=precision, world=32, device="cpu")
+        off, on = est.estimate(shape, setup), est.estimate(shape, replace(setup, shard_optimizer_state=True))
+        owned = sum(math.ceil(n / 32) for n in units)  # sdp 4 x 8 replicas
+        master = 4 * owned if c == 2 else 4 * owned * 8
+        assert on.setup.replicas == 8 and off.setup.replicas == 8
+        assert on.parts["model states: fp32 main parameters"] == master + 4 * p
+        assert on.parts["model states: optimizer state"] == 8 * (owned + p)
+        assert on.parts["model states: compute-dtype copies"] == (c * (owned * 8 + p) if c == 2 else 0)
+        # the walk: the boundary backward builds shard-sized main grads; at its end the replication
+        # ReduceScatter's output (this rank's piece) exists beside them; the optimizer sees the piece
+        walked = replace(on.setup, reduce_bucket_size=int(5e7))  # several buckets: some issued in backward
+        moments = {m.where: m.parts for m in mm.walk(est.step_inputs(shape, walked))}
+        end, step = moments["end of backward"], moments["optimizer step"]
+        assert end["shard gradients"] == 4 * owned * 8 and end["main gradients"] == 4 * (owned + p)
+        assert step["main gradients"] == 4 * (owned + p) and "shard gradients" not in step
+        last = moments[next(w for w in moments if w.startswith("backward of unit 1 "))]
+        assert last["shard gradients"] > 0 and "main gradients" not in last
+        plain = [m.parts for m in mm.walk(est.step_inputs(shape, off.setup))]
+        assert all(not m.get("shard gradients") for m in plain)
+        states = sum(v for k, v in on.parts.items() if k.startswith("model states:") and "gradients" not in k)
+        assert on.model_states == states + 4 * (owned + p)  # the piece's main grads live across steps
+        assert on.model_states < off.model_states / 2.5 and on.total < off.total
+    # one replica: nothing to split
+    one = est.Setup(sdp=32, precision="bf16", world=32, device="cpu")
+    assert est.estimate(shape, replace(one, shard_optimizer_state=True)).parts == est.estimate(shape, one).parts
+    # reference 003, 20B on 64 GPUs: sdp 32 (2 replicas) is the smallest that fits; with the knob sdp 8
+    # (8 replicas) fits already
+    row = est.REFERENCE_ROWS[1]
+    plain = est.smallest_fitting_sdp(neox20b, row.setup(), row.world)
+    assert plain is not None and plain.setup.sdp == 32
+    best = est.smallest_fitting_sdp(neox20b, row.setup(shard_optimizer_state=True), row.world)
+    assert best is not None and best.setup.sdp == 8 and best.setup.replicas == 8
+
+
+def test_cli_shows_the_shard_optimizer_state_saving(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--model", "gpt-neox-20b", "--nodes", "8", "--sdp", "32", "--activation-checkpointing"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main([*argv, "--shard-optimizer-state"]) == 0
+    knob = capsys.readouterr().out
+    assert "shard_optimizer_state" in knob and "shard gradients before their ReduceScatter" in knob
+    assert "shard gradients" not in plain
+    assert main(["estimate", "--reference"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    knob_lines = [line for line in lines if "with shard_optimizer_state" in line]
+    assert len(knob_lines) == len(est.REFERENCE_ROWS)
+    assert "(2 replicas): model states 10.8 -> 6.0 GiB" in knob_lines[1], knob_lines[1]

@@ -38,7 +38,7 @@ def _setup(case: dict[str, Any], baseline_mib: float, mmap_threshold: int) -> es
     return est.Setup(
         sdp=case["sdp"], batch=case["batch"], seq=case["seq"], precision="fp32", device="cpu",
         activation_checkpointing=case["checkpointing"], reduce_bucket_size=case["bucket"],
-        max_live_parameters=case["max_live"], replicas=case["world"] // case["sdp"],
+        max_live_parameters=case["max_live"], world=case["world"],
         framework_bytes=int(baseline_mib * 2**20), mmap_threshold=mmap_threshold,
     )  # fmt: skip
 

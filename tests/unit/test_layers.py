@@ -2,8 +2,11 @@
 -- at module level, inside a function, or under TYPE_CHECKING -- goes to the same layer or one below,
 and no files import each other in a circle.
 
-    cli > facade (shardpar/__init__.py) > api > checkpoint > optim > runtime > tensor_parallel
-        > sharding > ground (config, config_v1, collectives, topology, precision)
+    integrations > cli > facade (shardpar/__init__.py) > api > checkpoint > optim > runtime
+        > tensor_parallel > sharding > ground (config, config_v1, collectives, topology, precision)
+
+integrations/ (the Hugging Face Trainer and accelerate front ends) is the top: nothing in shardpar
+imports it, and `import shardpar` does not load transformers' Trainer or accelerate.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("shardpar.api",)),
     ("facade", ("shardpar",)),
     ("cli", ("shardpar.cli",)),
+    ("integrations", ("shardpar.integrations",)),
 ]
 
 
@@ -182,7 +186,24 @@ def test_the_checks_catch_a_circle_and_an_upward_type_only_import(tmp_path: Path
         ("shardpar.runtime.unit", "runtime"),
         ("shardpar.cli.estimate", "cli"),
         ("shardpar", "facade"),
+        ("shardpar.integrations.transformers.trainer", "integrations"),
     ],
 )
 def test_layer_of(module: str, layer: str) -> None:
     assert LAYERS[layer_of(module, LAYERS)][0] == layer
+
+
+def test_nothing_imports_the_integrations_and_the_facade_loads_neither_front_end() -> None:
+    graph = import_graph(PACKAGE_ROOT, "shardpar")
+    users = sorted(
+        src
+        for src, dst in graph.items()
+        if not src.startswith("shardpar.integrations") and any(d.startswith("shardpar.integrations") for d in dst)
+    )
+    assert not users, f"modules outside integrations/ import it: {users}"
+    import subprocess
+    import sys
+
+    code = "import sys, shardpar; print(sorted(m for m in ('accelerate', 'transformers.trainer') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardpar.sharding.layout import FlatLayout, flat_layout
+from shardpar.sharding.layout import FlatLayout, flat_layout, owned_layout
 
 # Shapes with zero-size dims, scalars (shape ()) and sizes that rarely divide the degree.
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
@@ -67,7 +67,28 @@ def test_the_module_docstring_example() -> None:
     assert (w_k.local, w_k.param) == (slice(2, 4), slice(0, 2))
 
 
+@given(param_lists, degrees, st.integers(1, 5))
+def test_owned_pieces_split_each_shard_over_the_replicas(
+    params: list[tuple[str, tuple[int, ...]]], sdp: int, replicas: int
+) -> None:
+    """shard_optimizer_state: shards aligned to the replicas pad by less than sdp x replicas elements, and
+    piece j of shard s is the j-th of its equal parts -- what a ReduceScatter of the shard over the
+    replication group hands replica j ([Note: replica-sharded main], runtime/replica_shard.py)."""
+    layout = flat_layout(params, sdp, align=replicas)
+    assert layout.shard_numel % replicas == 0
+    assert 0 <= layout.padded_numel - layout.numel < sdp * replicas
+    owned = owned_layout(layout, replicas)
+    n = layout.shard_numel // replicas
+    assert owned.shard_numel == n and owned.padded_numel == layout.padded_numel
+    for s in range(sdp):
+        shard = _shard_contents(layout, s)
+        for j in range(replicas):
+            assert _shard_contents(owned, s * replicas + j) == shard[j * n : (j + 1) * n]
+
+
 def test_bad_arguments_are_internal_errors() -> None:
+    with pytest.raises(AssertionError, match="does not split into 2 pieces"):
+        owned_layout(flat_layout([("w", (5,))], 2), 2)  # shards of 3: a layout not aligned to the replicas
     with pytest.raises(AssertionError, match="num_shards=0"):
         flat_layout([("w", (3,))], 0)
     with pytest.raises(AssertionError, match=r"shard 2 outside 0\.\.1"):

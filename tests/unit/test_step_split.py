@@ -105,3 +105,19 @@ def _check_v1_step(smp: Any) -> None:
         smp.step(non_split_inputs=["nope"])(plain.__wrapped__)
     with pytest.raises(TypeError, match=r"StepOutput\['loss'\]: the step returned \['Tensor'\], not dicts"):
         plain(torch.ones(4, 2))["loss"]
+
+
+class _Sliceable:
+    """SMP v1's protocol for a type the library cannot split itself."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+    def smp_slice(self, num_mb: int, mb: int, axis: int) -> _Sliceable:
+        size = self.data.shape[axis] // num_mb
+        return _Sliceable(self.data.narrow(axis, mb * size, size))
+
+
+def test_an_object_with_smp_slice_is_split_by_it() -> None:
+    parts = split_batch({"x": _Sliceable(torch.arange(12).view(2, 6))}, 3, axis=1)
+    assert [p["x"].data.tolist() for p in parts] == [[[0, 1], [6, 7]], [[2, 3], [8, 9]], [[4, 5], [10, 11]]]

@@ -38,13 +38,23 @@ def _tiny(family: str) -> nn.Module:
     if family == "gptj":
         cfg = transformers.GPTJConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32, **small)
         return transformers.GPTJForCausalLM(cfg)
+    if family == "gptneo":
+        cfg = transformers.GPTNeoConfig(
+            hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], **small
+        )
+        return transformers.GPTNeoForCausalLM(cfg)
+    if family in ("bert", "roberta"):
+        encoder = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+        if family == "bert":
+            return transformers.BertForMaskedLM(transformers.BertConfig(**encoder, **small))
+        return transformers.RobertaForMaskedLM(transformers.RobertaConfig(**encoder, pad_token_id=1, **small))
     cfg = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **small
     )
     return transformers.LlamaForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gptneox", "gptj", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "gptneox", "gptj", "llama", "gptneo", "bert", "roberta"])
 def test_hf_translations_round_trip(family: str) -> None:
     mod = importlib.import_module(f"shardpar.nn.huggingface.{family}")
     to_smp = getattr(mod, f"translate_hf_state_dict_to_smdistributed_{family}")
@@ -206,3 +216,61 @@ def test_fp16_groups_and_local_state_dict(world_of_one: None) -> None:
     local = opt.local_state_dict()
     assert local["_smp_is_partial"] is True and local["state"]
     opt.load_state_dict(local)  # the marker is accepted back
+
+
+def test_manual_partitioning_accepts_the_one_partition_and_refuses_others() -> None:
+    """pipeline_parallel_degree is 1: partition 0 is every module's; another index cannot be honoured."""
+    with smp.partition(0):
+        layer = nn.Linear(2, 2)
+    smp.set_partition(layer, 0)
+    with (
+        pytest.raises(ValueError, match=r"partition 1 does not exist: pipeline_parallel_degree is 1"),
+        smp.partition(1),
+    ):
+        pass
+    with pytest.raises(ValueError, match=r"set_partition\(Linear, 2\): partition 2 does not exist"):
+        smp.set_partition(layer, 2)
+    with pytest.raises(TypeError, match="must be an int"):
+        smp.set_partition(layer, "0")  # type: ignore[arg-type]
+
+
+def test_smp_state_cfg_is_the_config(world_of_one: None) -> None:
+    """transformers' SMP v1 integration and AWS's scripts read `smp.state.cfg.<key>`."""
+    assert smp.state.cfg is smp.get_config()
+    assert smp.state.cfg.sharded_data_parallel_degree == 1 and smp.state.cfg.fp16 is False
+
+
+def test_set_tensor_parallelism_marks_a_built_model_like_the_context() -> None:
+    from shardpar.api.context import _TP_MARKS
+
+    model = models.tiny_neox()
+    smp.set_tensor_parallelism(model, fused_softmax=True)  # v1's kernel switches are accepted
+    smp.set_tensor_parallelism(model.gpt_neox.layers[1], False)
+    marks = _TP_MARKS.resolve(model, None)
+    enabled = {id(m): o is not None and o.enabled for m in model.modules() for o in [marks[id(m)]]}
+    layer1 = {id(m) for m in model.gpt_neox.layers[1].modules()}
+    assert all(not on for i, on in enabled.items() if i in layer1)  # the whole subtree off
+    assert all(on for i, on in enabled.items() if i not in layer1)
+    with smp.tensor_parallelism():  # a context mark inside a part switched off afterwards
+        built = models.tiny_neox()
+    smp.set_tensor_parallelism(built.gpt_neox, False)
+    marks = _TP_MARKS.resolve(built, None)
+    assert not any(marks[id(m)].enabled for m in built.gpt_neox.modules())  # type: ignore[union-attr]
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['fused_all'\]"):
+        smp.set_tensor_parallelism(model, fused_all=True)
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['fused_all'\]"), smp.tensor_parallelism(fused_all=1):
+        pass
+    with smp.tensor_parallelism(fused_bias_gelu=True, fused_softmax=False):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"load_sharded_optimizer_state": False}, "pass load_optimizer=False"),
+        ({"translate_function": lambda sd: sd}, "nothing to translate"),
+    ],
+)
+def test_resume_refuses_the_v1_arguments_it_cannot_honour(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        smp.resume_from_checkpoint("/nonexistent", **kwargs)

@@ -1,0 +1,465 @@
+"""ShardedTensor: a parameter (or its gradient, or optimizer state made from it) as torch sees it outside
+forward -- the global shape, dim(), numel() and dtype of the original parameter, backed by this rank's
+piece of it without a copy.
+
+[Note: sharded parameters]
+Outside a unit's forward and backward, `model.parameters()` yields one ShardedTensor parameter per
+original parameter (runtime/user_params.py swaps them with the compute parameters on the modules; FSDP2
+does the same with DTensor, _fsdp_param.py `to_sharded` / `to_unsharded`). DTensor cannot express our
+layout: a unit's parameters lie end to end in one flat buffer cut into equal shards (sharding/layout.py),
+so a rank holds a contiguous range of the *flattened* parameter, not whole rows -- the price of one
+AllGather per unit straight into the parameters' views. So the wrapper keeps that range, `_local`
+(a 1-D view of the unit's fp32 main shard, or of its main grad), and defines what torch may do with it:
+
+  * element-wise ops (torch.Tag.pointwise, the `_foreach_*` family, copy_/zero_/fill_, *_like, clone,
+    dtype casts) run on the local pieces and return ShardedTensors of the same layout, so a plain
+    torch optimizer on `model.parameters()` updates exactly the elements a single process would, and
+    writes them into the main shard itself (the unit refreshes its compute copy, unit.py);
+    a plain tensor of the parameter's global shape takes part through this rank's piece of it
+    (`p.copy_(full)` loads values); 0-d and one-element tensors broadcast as usual;
+  * whole-tensor reductions (norms, sum, mean, max/min, all/any without `dim`) reduce the local piece
+    and then over the sharding group (and the TP group for a TP-split parameter): one collective per
+    call, and `_foreach_norm` one for the whole list, so `torch.nn.utils.clip_grad_norm_` returns the
+    true global norm. Every rank must make the call, as with any collective;
+  * a persistent parameter (replicated, not TP-split) is whole on every rank: any op runs on it as on a
+    plain tensor;
+  * anything else that needs the full values -- matmuls, reductions along a dim (Adafactor's row and
+    column means), reshapes, indexing, random fills -- raises TypeError naming the op and the
+    parameter, before it computes anything. Silently computing on a piece is the one outcome we rule out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.optim.optimizer as _optim_impl
+import torch.utils._foreach_utils as _foreach_impl
+
+from shardpar.collectives import Engine, Group, ReduceOp
+from shardpar.sharding.tp_split import TPSplit
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ShardComm:
+    """What a whole-tensor reduction needs: the engine and the groups a parameter is split over --
+    `sharding`, the group whose pieces of a parameter are disjoint (the sharding group; the rdp group
+    with shard_optimizer_state, whose owned pieces split each shard over the replicas too), and `tp`."""
+
+    engine: Engine
+    sharding: Group
+    tp: Group
+
+
+@dataclass(frozen=True, eq=False)
+class ShardLayout:
+    """Which part of one parameter this rank holds ([Note: sharded parameters]).
+
+    The module's parameter (`local_shape`; TP-local under tensor parallelism) is flattened and this rank
+    holds elements [start, start + length) of it; a TP-split parameter is itself TP rank `tp_rank`'s
+    piece of the full tensor (`shape`)."""
+
+    fqn: str
+    shape: torch.Size  # what torch sees: the full parameter
+    local_shape: tuple[int, ...]  # the module's parameter (TP-local)
+    start: int
+    length: int
+    sharded: bool  # False: persistent, whole on every rank of the sharding group
+    comm: ShardComm
+    tp: TPSplit | None = None
+    tp_rank: int = 0
+    # Called when an op writes a tensor of this layout in place: the user parameters' layouts tell the
+    # sharded state that its main values changed (a plain optimizer step), so the compute copies refresh.
+    on_write: Callable[[], None] | None = None
+
+    @property
+    def whole(self) -> bool:
+        """This rank holds every element: ops run on it as on a plain tensor."""
+        return not self.sharded and self.tp is None
+
+    def piece_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a plain tensor of the full shape (a view where it can be)."""
+        local = full if self.tp is None else self.tp.local_of(full, self.tp_rank)
+        return local.reshape(-1)[self.start : self.start + self.length] if self.sharded else local
+
+    def describe(self) -> str:
+        if not self.sharded:
+            return f"{self.fqn} (TP rank {self.tp_rank}'s slice {list(self.local_shape)} of {list(self.shape)})"
+        numel = math.prod(self.local_shape)
+        if not self.length:
+            return f"{self.fqn} (none of its {numel} elements on this rank)"
+        return f"{self.fqn} (elements {self.start}..{self.start + self.length} of {numel} on this rank)"
+
+
+class ShardedTensor(torch.Tensor):
+    """A tensor with a parameter's full shape whose values are this rank's piece ([Note: sharded parameters])."""
+
+    _local: torch.Tensor
+    _layout: ShardLayout
+    __slots__ = ("_layout", "_local")
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, layout: ShardLayout, requires_grad: bool = False) -> ShardedTensor:
+        expected = layout.length if layout.sharded else math.prod(layout.local_shape)
+        if local.numel() != expected:
+            raise AssertionError(f"{layout.fqn}: local piece of {local.numel()} elements, layout says {expected}")
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, layout.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
+        )
+        t._local = local if layout.sharded else local.view(layout.local_shape)
+        t._layout = layout
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"ShardedTensor({self._layout.describe()}, shape={list(self.shape)}, dtype={self.dtype})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{self._layout.describe()} holds only this rank's piece; to save full values use model.state_dict() "
+            "(every rank calls it) or smp.save_checkpoint"
+        )
+
+    # The wrapper owns no memory (its own storage is a placeholder of the global size): what it holds is
+    # its local piece, so the storage and data pointer a script inspects are the piece's.
+    def untyped_storage(self) -> torch.UntypedStorage:
+        return self._local.untyped_storage()
+
+    def data_ptr(self) -> int:
+        return self._local.data_ptr()
+
+    # `.data`: an alias of the same piece; assigning copies values in (this rank's piece of a full
+    # tensor, or another piece of the same layout), never rebinding the wrapper to memory that the main
+    # shard and the optimizer would not see (nn.Module._apply, e.g. `module.half()`, assigns `.data`).
+    @property
+    def data(self) -> ShardedTensor:
+        return ShardedTensor(self._local, self._layout)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if isinstance(value, ShardedTensor) and value._local is self._local:
+            return
+        if value.dtype != self.dtype or value.device != self.device:
+            raise ValueError(
+                f"{self._layout.describe()}: `.data` of {value.dtype} on {value.device} for a parameter of "
+                f"{self.dtype} on {self.device}: shardpar's parameters are views of the fp32 main shards and "
+                "keep their dtype and device (set bf16/fp16 in smp.init for mixed precision)"
+            )
+        with torch.no_grad():
+            self.copy_(value)
+
+    @property
+    def local_piece(self) -> torch.Tensor:
+        """This rank's elements: flat when sharded, the module's (TP-local) shape when persistent."""
+        return self._local
+
+    @property
+    def shard_layout(self) -> ShardLayout:  # not `layout`: torch.Tensor.layout is torch.strided
+        return self._layout
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        return _dispatch(func, args, kwargs or {})
+
+
+# ---- dispatch ------------------------------------------------------------------------------------
+
+_ALIAS = {aten.detach.default, aten.alias.default}
+# Not tagged pointwise, but element-wise all the same (each output element from the same input element).
+_ELEMENTWISE = {
+    aten.copy_.default,
+    aten.zero_.default,
+    aten.fill_.Scalar,
+    aten.fill_.Tensor,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.where.self,
+    aten.clamp.default,
+    aten.clamp_.default,
+    aten.clamp_min.default,
+    aten.clamp_min_.default,
+    aten.clamp_max.default,
+    aten.clamp_max_.default,
+}
+# Random fills would draw other numbers than one process does over the full tensor.
+_RANDOM = {torch.Tag.nondeterministic_seeded}
+
+
+def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if func in _ALIAS:
+        t = args[0]
+        return ShardedTensor(func(t._local), t._layout)
+    if func in _REDUCTIONS:
+        return _REDUCTIONS[func](*args, **kwargs)
+    name = func.__name__
+    if name.startswith("_foreach_"):
+        return _foreach(func, args, kwargs)
+    if (torch.Tag.pointwise in func.tags or func in _ELEMENTWISE) and not _RANDOM.intersection(func.tags):
+        return _elementwise(func, args, kwargs)
+    return _whole_or_refuse(func, args, kwargs)
+
+
+def _first_layout(values: Sequence[Any]) -> ShardLayout | None:
+    for v in values:
+        if isinstance(v, ShardedTensor):
+            return v._layout
+    return None
+
+
+def _unwrap(value: Any, layout: ShardLayout, func: Any) -> Any:
+    """One argument of an element-wise op on `layout`'s piece, as a plain tensor."""
+    if isinstance(value, ShardedTensor):
+        other = value._layout
+        if other is not layout and (other.shape, other.start, other.length, other.sharded, other.tp) != (
+            layout.shape,
+            layout.start,
+            layout.length,
+            layout.sharded,
+            layout.tp,
+        ):
+            raise TypeError(f"{func}: {layout.describe()} and {other.describe()} hold different pieces")
+        return value._local
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 1:
+        if tuple(value.shape) != tuple(layout.shape):
+            raise TypeError(
+                f"{func}: a plain tensor of shape {list(value.shape)} with {layout.describe()}: only 0-d or "
+                f"one-element tensors and tensors of the parameter's full shape {list(layout.shape)} combine with it"
+            )
+        return layout.piece_of(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unwrap(v, layout, func) for v in value)
+    return value
+
+
+def _is_inplace(func: Any) -> bool:
+    return bool(func._schema.name.endswith("_"))
+
+
+def _elementwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    layout = _first_layout(args) or _first_layout(list(kwargs.values()))
+    if layout is None:
+        raise AssertionError(f"{func} dispatched to ShardedTensor without one")
+    if isinstance(args[0], torch.Tensor) and not isinstance(args[0], ShardedTensor) and _is_inplace(func):
+        raise TypeError(
+            f"{func} writes a plain tensor from {layout.describe()}: that needs the full values; "
+            "gather them with model.state_dict() (every rank calls it) first"
+        )
+    out = func(*(_unwrap(a, layout, func) for a in args), **{k: _unwrap(v, layout, func) for k, v in kwargs.items()})
+    if _is_inplace(func):
+        _written([args[0]])
+        return args[0]
+    return _wrap(out, layout)
+
+
+def _written(targets: Sequence[Any]) -> None:
+    """Tell the owners of the layouts an in-place op wrote (once each)."""
+    calls = {id(t._layout.on_write): t._layout.on_write for t in targets if isinstance(t, ShardedTensor)}
+    for call in calls.values():
+        if call is not None:
+            call()
+
+
+def _wrap(out: Any, layout: ShardLayout) -> Any:
+    if isinstance(out, torch.Tensor):
+        return ShardedTensor(out, layout)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap(o, layout) for o in out)
+    return out
+
+
+def _foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`_foreach_*` ops: index i of every list argument is one element-wise op on list[0][i]'s layout."""
+    if func in _FOREACH_REDUCTIONS:
+        return _FOREACH_REDUCTIONS[func](*args, **kwargs)
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    n = len(lists[0])
+    layouts = [_first_layout([lst[i] for lst in lists]) for i in range(n)]
+    unwrapped = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            pairs = zip(a, layouts, strict=True)
+            unwrapped.append([_unwrap(v, lay, func) if lay is not None else v for v, lay in pairs])
+        else:
+            unwrapped.append(a)
+    out = func(*unwrapped, **kwargs)
+    if out is None:  # in place
+        _written(args[0])
+        return None
+    return [ShardedTensor(o, lay) if lay is not None else o for o, lay in zip(out, layouts, strict=True)]
+
+
+def _whole_or_refuse(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Ops that need every element: run them on persistent (whole) pieces, refuse them on shards."""
+    wrapped = [a for a in (*args, *kwargs.values()) if isinstance(a, ShardedTensor)]
+    partial = [t._layout for t in wrapped if not t._layout.whole]
+    if partial:
+        raise TypeError(_refusal(func, partial[0]))
+
+    def whole(v: Any) -> Any:
+        if isinstance(v, ShardedTensor):
+            return v._local
+        if isinstance(v, (list, tuple)):
+            return type(v)(whole(x) for x in v)
+        return v
+
+    out = func(*(whole(a) for a in args), **{k: whole(v) for k, v in kwargs.items()})
+    if _is_inplace(func):
+        _written([args[0]])
+        return args[0]
+    return out
+
+
+def _refusal(func: Any, layout: ShardLayout) -> str:
+    return (
+        f"{func} on {layout.describe()}: outside forward a shardpar parameter holds only this rank's piece of "
+        f"its full shape {list(layout.shape)}, so only element-wise maths, copies and whole-tensor reductions "
+        "(norms, sum, max) work on it. For training use smp.DistributedOptimizer (shape-aware optimizers such "
+        "as Adafactor are refused there with what to use instead); for the full values use model.state_dict() "
+        "(every rank calls it); or compute inside the model's forward, where the parameters are gathered"
+    )
+
+
+# ---- whole-tensor reductions ----------------------------------------------------------------------
+
+
+def _reduce_scalars(values: list[torch.Tensor], layouts: list[ShardLayout], combine: str) -> list[torch.Tensor]:
+    """Finish per-tensor partial results over the groups each tensor is split over, in one collective
+    per group: `combine` is "sum" (partial sums) or "max"/"min" (partial extremes; an AllGather, as
+    the engines reduce by SUM/AVG only)."""
+    if not values:
+        return []
+    comm = layouts[0].comm
+    if any(lay.comm is not comm for lay in layouts):
+        raise TypeError("one reduction over parameters of two different DistributedModels")
+    vec = torch.stack([v.float() for v in values])
+    for group, member in ((comm.sharding, lambda lay: lay.sharded), (comm.tp, lambda lay: lay.tp is not None)):
+        mask = torch.tensor([member(lay) for lay in layouts], device=vec.device)
+        if group.size == 1 or not bool(mask.any()):
+            continue
+        vec = _reduce_over(comm.engine, group, vec, mask, combine)
+    return [vec[i].to(values[i].dtype) for i in range(len(values))]
+
+
+def _reduce_over(engine: Engine, group: Group, vec: torch.Tensor, mask: torch.Tensor, combine: str) -> torch.Tensor:
+    if combine == "sum":
+        part = torch.where(mask, vec, torch.zeros_like(vec))
+        engine.all_reduce(part, group, op=ReduceOp.SUM)
+        return torch.where(mask, part, vec)
+    gathered = torch.empty(group.size * vec.numel(), dtype=vec.dtype, device=vec.device)
+    engine.all_gather(gathered, vec.contiguous(), group)
+    rows = gathered.view(group.size, -1)
+    extreme = rows.amax(0) if combine == "max" else rows.amin(0)
+    return torch.where(mask, extreme, vec)
+
+
+def _norm_parts(locals_: Sequence[torch.Tensor], ord: float) -> tuple[list[torch.Tensor], str]:
+    """Per-tensor partial results of a vector norm of order `ord`, and how to combine them."""
+    if ord == math.inf:
+        return [t.abs().amax() if t.numel() else t.new_zeros(()) for t in locals_], "max"
+    if ord == -math.inf:
+        return [t.abs().amin() if t.numel() else t.new_full((), math.inf) for t in locals_], "min"
+    if ord == 0:
+        return [(t != 0).sum().to(t.dtype) for t in locals_], "sum"
+    return [t.abs().pow(ord).sum() if t.numel() else t.new_zeros(()) for t in locals_], "sum"
+
+
+def _finish_norm(total: torch.Tensor, ord: float) -> torch.Tensor:
+    return total if ord in (0, math.inf, -math.inf) else total.pow(1.0 / ord)
+
+
+def _vector_norm(
+    t: ShardedTensor, ord: float = 2, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    if dim not in (None, [], ()):
+        raise TypeError(_refusal("linalg_vector_norm(dim=...)", t._layout))
+    local = t._local if dtype is None else t._local.to(dtype)
+    parts, combine = _norm_parts([local], float(ord))
+    out = _finish_norm(_reduce_scalars(parts, [t._layout], combine)[0], float(ord))
+    return out.reshape([1] * t.dim()) if keepdim else out
+
+
+def _foreach_norm(tensors: Sequence[torch.Tensor], ord: float = 2, dtype: torch.dtype | None = None) -> list[Any]:
+    idx = [i for i, t in enumerate(tensors) if isinstance(t, ShardedTensor)]
+    out: list[Any] = [None] * len(tensors)
+    plain = [i for i in range(len(tensors)) if i not in set(idx)]
+    if plain:
+        for i, n in zip(plain, torch._foreach_norm([tensors[i] for i in plain], ord, dtype=dtype), strict=True):
+            out[i] = n
+    if idx:
+        locals_ = [tensors[i]._local if dtype is None else tensors[i]._local.to(dtype) for i in idx]  # type: ignore[attr-defined]
+        parts, combine = _norm_parts(locals_, float(ord))
+        totals = _reduce_scalars(parts, [tensors[i]._layout for i in idx], combine)  # type: ignore[attr-defined]
+        for i, total in zip(idx, totals, strict=True):
+            out[i] = _finish_norm(total, float(ord))
+    return out
+
+
+def _whole_reduction(op: str) -> Callable[..., torch.Tensor]:
+    def reduce(t: ShardedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs.get("dim") is not None:
+            raise TypeError(_refusal(f"{op}(dim=...)", t._layout))
+        local, layout = t._local, t._layout
+        if op in ("sum", "mean"):
+            part = local.sum(dtype=kwargs.get("dtype"))
+            total = _reduce_scalars([part], [layout], "sum")[0]
+            return total / t.numel() if op == "mean" else total
+        if op in ("all", "any"):
+            hits = (local.bool() if op == "any" else ~local.bool()).sum().float()
+            total = _reduce_scalars([hits], [layout], "sum")[0]
+            return total > 0 if op == "any" else total == 0
+        extreme = "max" if op in ("max", "amax") else "min"
+        if not local.numel():  # an empty piece must not win
+            part = local.new_full((), -math.inf if extreme == "max" else math.inf)
+        else:
+            part = local.amax() if extreme == "max" else local.amin()
+        return _reduce_scalars([part], [layout], extreme)[0].to(t.dtype)
+
+    return reduce
+
+
+_REDUCTIONS: dict[Any, Callable[..., Any]] = {
+    aten.linalg_vector_norm.default: _vector_norm,
+    aten.sum.default: _whole_reduction("sum"),
+    aten.sum.dim_IntList: _whole_reduction("sum"),
+    aten.mean.default: _whole_reduction("mean"),
+    aten.mean.dim: _whole_reduction("mean"),
+    aten.all.default: _whole_reduction("all"),
+    aten.any.default: _whole_reduction("any"),
+    aten.max.default: _whole_reduction("max"),
+    aten.min.default: _whole_reduction("min"),
+    aten.amax.default: _whole_reduction("amax"),
+    aten.amin.default: _whole_reduction("amin"),
+}
+_FOREACH_REDUCTIONS: dict[Any, Callable[..., Any]] = {aten._foreach_norm.Scalar: _foreach_norm}
+
+
+def _register_foreach_support() -> None:
+    """Let torch's optimizers and clip_grad_norm_ take their foreach paths with ShardedTensors, as
+    torch.distributed.tensor registers DTensor (one `_foreach_norm` = one collective for the model)."""
+    for types in (_optim_impl._foreach_supported_types, _foreach_impl._foreach_supported_types):
+        if ShardedTensor not in types:
+            types.append(ShardedTensor)  # type: ignore[arg-type]
+
+
+_register_foreach_support()
+
+
+def sharded_parameter(local: torch.Tensor, layout: ShardLayout, *, requires_grad: bool) -> ShardedTensor:
+    """The parameter form of a ShardedTensor: `nn.Parameter(ShardedTensor)` keeps the subclass and marks
+    it a parameter (isinstance(p, nn.Parameter) holds), as FSDP2 does with DTensor."""
+    param = torch.nn.Parameter(ShardedTensor(local, layout), requires_grad=requires_grad)
+    if not isinstance(param, ShardedTensor):
+        raise AssertionError(f"nn.Parameter dropped the ShardedTensor subclass of {layout.fqn}")
+    return param
