@@ -289,8 +289,9 @@ def run_all(args: argparse.Namespace, paths: dict[str, str | None]) -> list[Resu
     for model in args.model.split(","):
         for world in [int(w) for w in args.world.split(",")]:
             for dtype in args.dtype.split(","):
-                # The sharded anchors need 2+ ranks; world 1 compares shardpar with plain PyTorch.
-                frameworks = [f for f in wanted if world > 1 or f.split("@")[0] in ("shardpar", "plain")]
+                # The sharded anchors need 2+ ranks; world 1 compares shardpar (eager, compiled) with plain PyTorch.
+                single = ("shardpar", "plain", "shardpar-compile")
+                frameworks = [f for f in wanted if world > 1 or f.split("@")[0] in single]
                 row = [
                     Result(
                         Case(
