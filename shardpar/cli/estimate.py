@@ -6,13 +6,16 @@ training step the way the runtime allocates (memory_model.py): the figure is the
 Per device, with S = this rank's sharded elements (sum over units of ceil(numel / tp / sdp)) and
 P = persistent elements (numel < sdp_param_persistence_threshold, whole on every rank):
 
-    model states   (4 main + c compute copy [mixed only] + 4 main grad + k optimizer) x (S + P)
+    model states   (4 main + c compute copy [mixed only] + 4 main grad + k optimizer) x (S + P);
+                   with shard_optimizer_state over R replicas the fp32 main [mixed only], main grad and
+                   optimizer state are this rank's piece of S, ~S / R ([Note: replica-sharded main])
     gathered       c x the units the scheduler holds gathered (root, current, prefetched), sdp > 1
     activations    the tensors autograd saves per layer (see `activation_bytes`), after Korthikanti et
                    al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2,
                    without dropout; the logits and the loss's working set
     gradients      a unit's full gradients until they reach the reduce bucket; the bucket
-                   (sdp_reduce_bucket_size elements); the main gradients reduced so far
+                   (sdp_reduce_bucket_size elements); the main gradients reduced so far (with
+                   shard_optimizer_state, shard-sized until the boundary's replication ReduceScatter)
     framework      fixed: CUDA context, NCCL/SMDDP buffers, allocator slack (GPU); interpreter,
                    torch, transformers and gloo (CPU, measured)
 
@@ -26,7 +29,6 @@ docs/performance.md "Memory"); glibc's defaults keep freed blocks in a fragmente
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -381,56 +383,6 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> tuple[int, int, int]:
     if setup.activation_offloading:
         return 0, per_layer + 2 * sbh * c, logits
     return sbh * c, per_layer, logits
-
-
-# ---- recommendations -----------------------------------------------------------------------------
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def smallest_fitting_sdp(shape: ModelShape, setup: Setup, world: int) -> Estimate | None:
-    """The fitting estimate with the smallest sdp dividing world / tp (reference 003: start small)."""
-    if world % setup.tp:
-        raise ValueError(f"tensor_parallel_degree={setup.tp} must divide the world size {world}")
-    for sdp in divisors(world // setup.tp):
-        est = estimate(shape, replace(setup, sdp=sdp, world=world))
-        if est.fits:
-            return est
-    return None
-
-
-def alternatives(shape: ModelShape, setup: Setup, world: int, tps: Iterable[int] = (1, 2, 4, 8)) -> list[Estimate]:
-    """When nothing fits: the smallest fitting sdp per (tp, checkpointing, offloading) variant."""
-    found: list[Estimate] = []
-    for tp in tps:
-        if world % tp:
-            continue
-        for ckpt, offload in (
-            (setup.activation_checkpointing, setup.activation_offloading),
-            (True, False),
-            (True, True),
-        ):
-            variant = replace(setup, tp=tp, sdp=1, activation_checkpointing=ckpt, activation_offloading=offload)
-            est = smallest_fitting_sdp(shape, variant, world)
-            if est is not None and all(e.setup != est.setup for e in found):
-                found.append(est)
-                break
-    return found
-
-
-def tp_from_global_batch(world: int, global_batch: int, batch: int, accum: int = 1) -> int:
-    """Reference 003: tensor parallelism lowers the global batch; tp = world / (global / (batch x accum))."""
-    if global_batch % (batch * accum):
-        raise ValueError(f"global batch {global_batch} is not a multiple of batch {batch} x accumulation {accum}")
-    rdp = global_batch // (batch * accum)
-    if rdp == 0 or world % rdp:
-        raise ValueError(
-            f"global batch {global_batch} / (batch {batch} x accumulation {accum}) = {rdp} data-parallel "
-            f"ranks must divide the world size {world}"
-        )
-    return world // rdp
 
 
 def format_estimate(est: Estimate) -> str:

@@ -97,21 +97,23 @@ def estimate(args: argparse.Namespace) -> int:
 
 
 def _recommend(est: Any, shape: Any, setup: Any, world: int) -> int:
+    from shardpar.cli import recommend as rec
+
     known = setup.capacity is not None  # no capacity (cpu): a table of sizes, no verdict
     print("  sdp   per device")
-    for sdp in est.divisors(world // setup.tp):
+    for sdp in rec.divisors(world // setup.tp):
         e = est.estimate(shape, replace(setup, sdp=sdp))
         verdict = ("fits" if e.fits else "-") if known else ""
         print(f"  {sdp:4d} {e.total / est.GiB:9.2f} GiB  {verdict}".rstrip())
     if not known:
         print(f"device {setup.device!r} has no known capacity: compare each row with the memory one rank may use")
         return 0
-    best = est.smallest_fitting_sdp(shape, setup, world)
+    best = rec.smallest_fitting_sdp(shape, setup, world)
     if best is not None:
         print(f"smallest sharded_data_parallel_degree that fits: {best.setup.sdp}")
         print(est.format_estimate(best))
         return 0
-    found = est.alternatives(shape, setup, world)
+    found = rec.alternatives(shape, setup, world)
     if not found:
         print(f"nothing fits on {world} x {setup.device}, not even with tp up to 8, activation checkpointing and "
               "offloading: use more devices (--nodes, --gpus) or a smaller --batch or --seq")  # fmt: skip
@@ -125,12 +127,14 @@ def _recommend(est: Any, shape: Any, setup: Any, world: int) -> int:
 
 
 def _reference_table(est: Any) -> int:
+    from shardpar.cli import recommend as rec
+
     print("reference 003 configurations (bf16, activation checkpointing) on their instances:")
     for row in est.REFERENCE_ROWS:
         shape = est.reference_shape(row.model)
-        tp = est.tp_from_global_batch(row.world, row.global_batch, row.mini_batch)
+        tp = rec.tp_from_global_batch(row.world, row.global_batch, row.mini_batch)
         e = est.estimate(shape, row.setup(tp=tp))
-        best = est.smallest_fitting_sdp(shape, row.setup(tp=tp), row.world)
+        best = rec.smallest_fitting_sdp(shape, row.setup(tp=tp), row.world)
         offload = " + offload" if row.offload else ""
         print(
             f"  {row.model} x{row.instances} {row.instance_type} seq {row.seq} batch {row.mini_batch} sdp {row.sdp} "
@@ -139,7 +143,7 @@ def _reference_table(est: Any) -> int:
         )
         sos = row.setup(tp=tp, shard_optimizer_state=True)
         z = est.estimate(shape, sos)
-        zbest = est.smallest_fitting_sdp(shape, sos, row.world)
+        zbest = rec.smallest_fitting_sdp(shape, sos, row.world)
         print(
             f"      with shard_optimizer_state ({sos.replicas} replica{'s' if sos.replicas > 1 else ''}): "
             f"model states {e.model_states / est.GiB:.1f} "
@@ -205,9 +209,11 @@ def _world_and_device(args: argparse.Namespace, est: Any) -> tuple[int, str]:
 
 
 def _tp(args: argparse.Namespace, est: Any, world: int) -> int:
+    from shardpar.cli import recommend as rec
+
     if args.global_batch is None:
         return int(args.tp or 1)
-    tp = int(est.tp_from_global_batch(world, args.global_batch, args.batch, args.accum))
+    tp = int(rec.tp_from_global_batch(world, args.global_batch, args.batch, args.accum))
     if args.tp is not None and args.tp != tp:
         raise ValueError(
             f"--tp {args.tp} conflicts with --global-batch {args.global_batch}, which gives tp {tp} (world {world} / "

@@ -17,6 +17,7 @@ from torch import nn
 from shardpar.cli import estimate as est
 from shardpar.cli import main
 from shardpar.cli import memory_model as mm
+from shardpar.cli import recommend as rec
 
 
 @pytest.fixture(scope="module")
@@ -42,20 +43,20 @@ def test_20b_on_two_p4d_fits_first_at_sdp_16(neox20b: est.ModelShape) -> None:
     assert (row.world, row.sdp, row.mini_batch) == (16, 16, 4)
     assert est.estimate(neox20b, row.setup()).fits
     assert not est.estimate(neox20b, row.setup(sdp=8)).fits
-    best = est.smallest_fitting_sdp(neox20b, row.setup(), row.world)
+    best = rec.smallest_fitting_sdp(neox20b, row.setup(), row.world)
     assert best is not None and best.setup.sdp == 16  # the reference's degree is the smallest that fits
 
 
 def test_20b_on_eight_p4d_with_batch_12_fits_first_at_sdp_32(neox20b: est.ModelShape) -> None:
     row = est.REFERENCE_ROWS[1]
-    assert est.tp_from_global_batch(row.world, row.global_batch, row.mini_batch) == 1
-    best = est.smallest_fitting_sdp(neox20b, row.setup(), row.world)
+    assert rec.tp_from_global_batch(row.world, row.global_batch, row.mini_batch) == 1
+    best = rec.smallest_fitting_sdp(neox20b, row.setup(), row.world)
     assert best is not None and best.setup.sdp == 32
 
 
 def test_65b_rows_need_tensor_parallelism_and_fit_with_offloading(neox65b: est.ModelShape) -> None:
     for row in est.REFERENCE_ROWS[2:]:
-        tp = est.tp_from_global_batch(row.world, row.global_batch, row.mini_batch)
+        tp = rec.tp_from_global_batch(row.world, row.global_batch, row.mini_batch)
         assert tp == row.tp  # 512 GPUs, global batch 512: mini-batch 8 -> tp 8, mini-batch 2 -> tp 2
         assert est.estimate(neox65b, row.setup()).fits
         assert not est.estimate(neox65b, row.setup(activation_checkpointing=False, activation_offloading=False)).fits
@@ -185,7 +186,7 @@ def test_bare_parameter_count_gives_a_gpt_like_shape() -> None:
 
 def test_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match="must divide the world size 512"):
-        est.tp_from_global_batch(512, 512 * 3, 1)
+        rec.tp_from_global_batch(512, 512 * 3, 1)
     with pytest.raises(ValueError, match="enable activation checkpointing"):
         est.Setup(activation_offloading=True)
     with pytest.raises(ValueError, match="device='tpu'"):
@@ -335,9 +336,9 @@ def test_shard_optimizer_state_splits_the_fp32_state_over_the_replicas(neox20b: 
     # reference 003, 20B on 64 GPUs: sdp 32 (2 replicas) is the smallest that fits; with the knob sdp 8
     # (8 replicas) fits already
     row = est.REFERENCE_ROWS[1]
-    plain = est.smallest_fitting_sdp(neox20b, row.setup(), row.world)
+    plain = rec.smallest_fitting_sdp(neox20b, row.setup(), row.world)
     assert plain is not None and plain.setup.sdp == 32
-    best = est.smallest_fitting_sdp(neox20b, row.setup(shard_optimizer_state=True), row.world)
+    best = rec.smallest_fitting_sdp(neox20b, row.setup(shard_optimizer_state=True), row.world)
     assert best is not None and best.setup.sdp == 8 and best.setup.replicas == 8
 
 
