@@ -32,68 +32,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.optim.optimizer as _optim_impl
 import torch.utils._foreach_utils as _foreach_impl
 
-from shardpar.collectives import Engine, Group, ReduceOp
-from shardpar.sharding.tp_split import TPSplit
+from shardpar.runtime.shard_layout import ShardComm, ShardLayout, refusal
+from shardpar.runtime.sharded_reductions import finish_norm, norm_parts, reduce_scalars
+
+__all__ = ["ShardComm", "ShardLayout", "ShardedTensor", "sharded_parameter"]
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class ShardComm:
-    """What a whole-tensor reduction needs: the engine and the groups a parameter is split over --
-    `sharding`, the group whose pieces of a parameter are disjoint (the sharding group; the rdp group
-    with shard_optimizer_state, whose owned pieces split each shard over the replicas too), and `tp`."""
-
-    engine: Engine
-    sharding: Group
-    tp: Group
-
-
-@dataclass(frozen=True, eq=False)
-class ShardLayout:
-    """Which part of one parameter this rank holds ([Note: sharded parameters]).
-
-    The module's parameter (`local_shape`; TP-local under tensor parallelism) is flattened and this rank
-    holds elements [start, start + length) of it; a TP-split parameter is itself TP rank `tp_rank`'s
-    piece of the full tensor (`shape`)."""
-
-    fqn: str
-    shape: torch.Size  # what torch sees: the full parameter
-    local_shape: tuple[int, ...]  # the module's parameter (TP-local)
-    start: int
-    length: int
-    sharded: bool  # False: persistent, whole on every rank of the sharding group
-    comm: ShardComm
-    tp: TPSplit | None = None
-    tp_rank: int = 0
-    # Called when an op writes a tensor of this layout in place: the user parameters' layouts tell the
-    # sharded state that its main values changed (a plain optimizer step), so the compute copies refresh.
-    on_write: Callable[[], None] | None = None
-
-    @property
-    def whole(self) -> bool:
-        """This rank holds every element: ops run on it as on a plain tensor."""
-        return not self.sharded and self.tp is None
-
-    def piece_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a plain tensor of the full shape (a view where it can be)."""
-        local = full if self.tp is None else self.tp.local_of(full, self.tp_rank)
-        return local.reshape(-1)[self.start : self.start + self.length] if self.sharded else local
-
-    def describe(self) -> str:
-        if not self.sharded:
-            return f"{self.fqn} (TP rank {self.tp_rank}'s slice {list(self.local_shape)} of {list(self.shape)})"
-        numel = math.prod(self.local_shape)
-        if not self.length:
-            return f"{self.fqn} (none of its {numel} elements on this rank)"
-        return f"{self.fqn} (elements {self.start}..{self.start + self.length} of {numel} on this rank)"
 
 
 class ShardedTensor(torch.Tensor):
@@ -305,7 +255,7 @@ def _whole_or_refuse(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     wrapped = [a for a in (*args, *kwargs.values()) if isinstance(a, ShardedTensor)]
     partial = [t._layout for t in wrapped if not t._layout.whole]
     if partial:
-        raise TypeError(_refusal(func, partial[0]))
+        raise TypeError(refusal(func, partial[0]))
 
     def whole(v: Any) -> Any:
         if isinstance(v, ShardedTensor):
@@ -321,72 +271,17 @@ def _whole_or_refuse(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return out
 
 
-def _refusal(func: Any, layout: ShardLayout) -> str:
-    return (
-        f"{func} on {layout.describe()}: outside forward a shardpar parameter holds only this rank's piece of "
-        f"its full shape {list(layout.shape)}, so only element-wise maths, copies and whole-tensor reductions "
-        "(norms, sum, max) work on it. For training use smp.DistributedOptimizer (shape-aware optimizers such "
-        "as Adafactor are refused there with what to use instead); for the full values use model.state_dict() "
-        "(every rank calls it); or compute inside the model's forward, where the parameters are gathered"
-    )
-
-
 # ---- whole-tensor reductions ----------------------------------------------------------------------
-
-
-def _reduce_scalars(values: list[torch.Tensor], layouts: list[ShardLayout], combine: str) -> list[torch.Tensor]:
-    """Finish per-tensor partial results over the groups each tensor is split over, in one collective
-    per group: `combine` is "sum" (partial sums) or "max"/"min" (partial extremes; an AllGather, as
-    the engines reduce by SUM/AVG only)."""
-    if not values:
-        return []
-    comm = layouts[0].comm
-    if any(lay.comm is not comm for lay in layouts):
-        raise TypeError("one reduction over parameters of two different DistributedModels")
-    vec = torch.stack([v.float() for v in values])
-    for group, member in ((comm.sharding, lambda lay: lay.sharded), (comm.tp, lambda lay: lay.tp is not None)):
-        mask = torch.tensor([member(lay) for lay in layouts], device=vec.device)
-        if group.size == 1 or not bool(mask.any()):
-            continue
-        vec = _reduce_over(comm.engine, group, vec, mask, combine)
-    return [vec[i].to(values[i].dtype) for i in range(len(values))]
-
-
-def _reduce_over(engine: Engine, group: Group, vec: torch.Tensor, mask: torch.Tensor, combine: str) -> torch.Tensor:
-    if combine == "sum":
-        part = torch.where(mask, vec, torch.zeros_like(vec))
-        engine.all_reduce(part, group, op=ReduceOp.SUM)
-        return torch.where(mask, part, vec)
-    gathered = torch.empty(group.size * vec.numel(), dtype=vec.dtype, device=vec.device)
-    engine.all_gather(gathered, vec.contiguous(), group)
-    rows = gathered.view(group.size, -1)
-    extreme = rows.amax(0) if combine == "max" else rows.amin(0)
-    return torch.where(mask, extreme, vec)
-
-
-def _norm_parts(locals_: Sequence[torch.Tensor], ord: float) -> tuple[list[torch.Tensor], str]:
-    """Per-tensor partial results of a vector norm of order `ord`, and how to combine them."""
-    if ord == math.inf:
-        return [t.abs().amax() if t.numel() else t.new_zeros(()) for t in locals_], "max"
-    if ord == -math.inf:
-        return [t.abs().amin() if t.numel() else t.new_full((), math.inf) for t in locals_], "min"
-    if ord == 0:
-        return [(t != 0).sum().to(t.dtype) for t in locals_], "sum"
-    return [t.abs().pow(ord).sum() if t.numel() else t.new_zeros(()) for t in locals_], "sum"
-
-
-def _finish_norm(total: torch.Tensor, ord: float) -> torch.Tensor:
-    return total if ord in (0, math.inf, -math.inf) else total.pow(1.0 / ord)
 
 
 def _vector_norm(
     t: ShardedTensor, ord: float = 2, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     if dim not in (None, [], ()):
-        raise TypeError(_refusal("linalg_vector_norm(dim=...)", t._layout))
+        raise TypeError(refusal("linalg_vector_norm(dim=...)", t._layout))
     local = t._local if dtype is None else t._local.to(dtype)
-    parts, combine = _norm_parts([local], float(ord))
-    out = _finish_norm(_reduce_scalars(parts, [t._layout], combine)[0], float(ord))
+    parts, combine = norm_parts([local], float(ord))
+    out = finish_norm(reduce_scalars(parts, [t._layout], combine)[0], float(ord))
     return out.reshape([1] * t.dim()) if keepdim else out
 
 
@@ -399,32 +294,32 @@ def _foreach_norm(tensors: Sequence[torch.Tensor], ord: float = 2, dtype: torch.
             out[i] = n
     if idx:
         locals_ = [tensors[i]._local if dtype is None else tensors[i]._local.to(dtype) for i in idx]  # type: ignore[attr-defined]
-        parts, combine = _norm_parts(locals_, float(ord))
-        totals = _reduce_scalars(parts, [tensors[i]._layout for i in idx], combine)  # type: ignore[attr-defined]
+        parts, combine = norm_parts(locals_, float(ord))
+        totals = reduce_scalars(parts, [tensors[i]._layout for i in idx], combine)  # type: ignore[attr-defined]
         for i, total in zip(idx, totals, strict=True):
-            out[i] = _finish_norm(total, float(ord))
+            out[i] = finish_norm(total, float(ord))
     return out
 
 
 def _whole_reduction(op: str) -> Callable[..., torch.Tensor]:
     def reduce(t: ShardedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs.get("dim") is not None:
-            raise TypeError(_refusal(f"{op}(dim=...)", t._layout))
+            raise TypeError(refusal(f"{op}(dim=...)", t._layout))
         local, layout = t._local, t._layout
         if op in ("sum", "mean"):
             part = local.sum(dtype=kwargs.get("dtype"))
-            total = _reduce_scalars([part], [layout], "sum")[0]
+            total = reduce_scalars([part], [layout], "sum")[0]
             return total / t.numel() if op == "mean" else total
         if op in ("all", "any"):
             hits = (local.bool() if op == "any" else ~local.bool()).sum().float()
-            total = _reduce_scalars([hits], [layout], "sum")[0]
+            total = reduce_scalars([hits], [layout], "sum")[0]
             return total > 0 if op == "any" else total == 0
         extreme = "max" if op in ("max", "amax") else "min"
         if not local.numel():  # an empty piece must not win
             part = local.new_full((), -math.inf if extreme == "max" else math.inf)
         else:
             part = local.amax() if extreme == "max" else local.amin()
-        return _reduce_scalars([part], [layout], extreme)[0].to(t.dtype)
+        return reduce_scalars([part], [layout], extreme)[0].to(t.dtype)
 
     return reduce
 
