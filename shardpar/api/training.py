@@ -20,8 +20,8 @@ from shardpar.api.same_model import check_same_model
 from shardpar.api.step import StepOptions, StepOutput, make_step
 from shardpar.optim.loss_scaling import make_loss_scaler
 from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
+from shardpar.runtime.materialize import refuse_nested
 from shardpar.runtime.model import DistributedModel as _DistributedModel
-from shardpar.runtime.model import refuse_nested
 from shardpar.sharding.deferred_init import deferred_init
 from shardpar.sharding.plan import WrapPolicy
 from shardpar.tensor_parallel.layers import TPLayer, tp_split_table

@@ -1,4 +1,5 @@
-"""Full values of one parameter at a time, for sharding at wrap time (delayed initialization)."""
+"""Full values of one parameter at a time, for sharding at wrap time (delayed initialization); the
+wrap-time checks of the user's module and the device it is on."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from shardpar.runtime.sharded_tensor import ShardedTensor
 from shardpar.sharding.deferred_init import is_deferred, materialize, materialize_by_reset, record_init
 
 _SEED = 0  # every rank materialises a meta parameter with no record from the same RNG state
@@ -79,6 +81,25 @@ def check_nothing_materialised(module: nn.Module, *, premade: Collection[nn.Para
             "accelerate's init_empty_weights()) so that each rank materialises only its shards, or set "
             "delayed_parameter_initialization=False to shard a model built normally"
         )
+
+
+def refuse_nested(module: nn.Module) -> None:
+    """A module inside a DistributedModel already (its `.module`, or a part of it) holds sharded
+    parameters: wrapping it again would shard pieces of pieces and train on wrong values."""
+    for name, p in module.named_parameters():
+        if isinstance(p, ShardedTensor):
+            raise ValueError(
+                f"{type(module).__name__} is already inside a smp.DistributedModel (its parameter {name!r} is "
+                "sharded); wrap the plain model once and use that DistributedModel (its .module is the model "
+                "itself, to read, not to wrap again)"
+            )
+
+
+def module_device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
 
 
 def _check_buffers(module: nn.Module) -> None:

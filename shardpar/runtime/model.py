@@ -3,7 +3,8 @@
 It builds the pieces and keeps the nn.Module surface: the units (unit.py) with their shards, the
 persistent parameters, the Scheduler that alone gathers and frees units (schedule.py), the bucketed
 reducer (reducer.py), the accumulation window (window.py), and the hooks that drive them (hooks.py,
-where the forward/backward sequence is pictured).
+where the forward/backward sequence is pictured). Two mixins in its bases carry the rest of its surface:
+state_dict / load_state_dict (model_state_dict.py) and SMP v1's names (model_v1.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
-from torch.utils.hooks import RemovableHandle
 
 from shardpar.collectives import Engine
 from shardpar.config import Config
@@ -24,22 +23,16 @@ from shardpar.runtime.buffers import BufferSync
 from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
-from shardpar.runtime.materialize import Materializer, check_nothing_materialised
+from shardpar.runtime.materialize import Materializer, check_nothing_materialised, module_device, refuse_nested
+from shardpar.runtime.model_state_dict import StateDictMixin
+from shardpar.runtime.model_v1 import V1Mixin
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer, plan_buckets
 from shardpar.runtime.replica_shard import ReplicaShard, replica_comm
 from shardpar.runtime.schedule import LiveCounter, Scheduler
-from shardpar.runtime.sharded_tensor import ShardComm, ShardedTensor
+from shardpar.runtime.sharded_tensor import ShardComm
 from shardpar.runtime.state import ShardedState
-from shardpar.runtime.state_dict import (
-    TPLayout,
-    forget_inner_missing,
-    load_full_state_dict,
-    load_nested,
-    local_param_shapes,
-    nested_state_dict,
-    persistent_buffers,
-)
+from shardpar.runtime.state_dict import TPLayout, persistent_buffers
 from shardpar.runtime.unit import Unit
 from shardpar.runtime.unit_comm import UnitComm
 from shardpar.runtime.user_params import UserParams
@@ -50,10 +43,9 @@ from shardpar.sharding.tp_split import TPSplit
 from shardpar.topology import Topology
 
 _Registered = dict[int, list[nn.Parameter]]
-PARTIAL_KEY = "_smp_is_partial"  # SMP v1's marker of a local_state_dict()
 
 
-class DistributedModel(nn.Module):
+class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
     """Shards `module` across the sharding group; keeps its parameter names and forward signature."""
 
     def __init__(
@@ -90,7 +82,7 @@ class DistributedModel(nn.Module):
         self.engine = engine
         self.unused_params: set[int] = set()  # ids of params without a gradient in the last window
         self.policy = DtypePolicy.from_config(config)
-        self.device = device or _module_device(module)
+        self.device = device or module_device(module)
         # Non-finite losses `backward` saw in the open window: a tensor, so the healthy path never syncs;
         # made on first use, so that what wrapping leaves alive is the shards alone.
         self._nonfinite_losses: torch.Tensor | None = None
@@ -349,51 +341,6 @@ class DistributedModel(nn.Module):
             self._run_post_partition_hooks()
         return self.module(*args, **kwargs)
 
-    def get_module(self) -> nn.Module:
-        """SMP v1: the wrapped module (`model.module`)."""
-        return self.module
-
-    @property
-    def partitioned(self) -> bool:
-        """SMP v1: whether the model is partitioned; here it is sharded when wrapped, so always."""
-        return True
-
-    # SMP v1's local_* views: with pipeline_parallel_degree 1 every module is this rank's.
-    def local_parameters(self) -> Iterator[nn.Parameter]:
-        return self.module.parameters()
-
-    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.module.named_parameters()
-
-    def local_buffers(self) -> Iterator[torch.Tensor]:
-        return self.module.buffers()
-
-    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.module.named_buffers()
-
-    def local_modules(self) -> Iterator[nn.Module]:
-        return self.module.modules()
-
-    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
-        return self.module.named_modules()
-
-    def register_post_partition_hook(self, hook: Callable[[Any, Any], None]) -> RemovableHandle:
-        """SMP v1: `hook(model, optimizer)` runs once, before the first forward -- the model is
-        partitioned (sharded) when it is wrapped, so that is the first moment both exist. Returns a
-        handle whose `remove()` cancels it."""
-        if not callable(hook):
-            raise TypeError(f"register_post_partition_hook needs a callable hook(model, optimizer), got {hook!r}")
-        handle = RemovableHandle(self._post_partition_hooks)
-        self._post_partition_hooks[handle.id] = hook
-        return handle
-
-    def _run_post_partition_hooks(self) -> None:
-        hooks = list(self._post_partition_hooks.values())
-        self._post_partition_hooks.clear()  # once, even if one raises
-        optimizer = self._find_optimizer()
-        for hook in hooks:
-            hook(self, optimizer)
-
     @property
     def nonfinite_losses(self) -> torch.Tensor:
         """How many losses passed to `backward` in the open window were not finite (a 0-d tensor)."""
@@ -441,98 +388,9 @@ class DistributedModel(nn.Module):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
-    def state_dict(  # type: ignore[override]
-        self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
-    ) -> dict[str, Any]:
-        """Full tensors under the unwrapped model's keys (gathered unit by unit), each after `prefix`;
-        written into `destination` when given, as nn.Module does when this model is another's child.
-        With `keep_vars` buffers are the module's own tensors; parameters are full fp32 copies
-        whatever `keep_vars` says (a sharded parameter has no full tensor to hand out)."""
-        if len(args) > 3:
-            raise TypeError(f"state_dict() takes at most 3 positional arguments ({len(args)} given)")
-        # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
-        destination = args[0] if len(args) > 0 else destination
-        prefix = args[1] if len(args) > 1 else prefix
-        keep_vars = args[2] if len(args) > 2 else keep_vars
-        return nested_state_dict(self.sharded_state, self.module, destination, prefix, keep_vars=keep_vars, tp=self._tp)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load full tensors (as returned by `state_dict`) into the shards and persistent params; a
-        missing key (strict) or a tensor of another shape raises before anything is written.
-
-        `assign=True` raises ValueError: the parameters are views of their unit's shards, so the
-        values are always copied in, never adopted."""
-        if state_dict.get(PARTIAL_KEY):  # SMP v1: smp.save(model.local_state_dict()), then load it back
-            self.sharded_state.load_local_state_dict({k: v for k, v in state_dict.items() if k != PARTIAL_KEY})
-            return _IncompatibleKeys([], [])
-        if assign:
-            raise ValueError(
-                "load_state_dict(assign=True) is not supported by a DistributedModel: its parameters are "
-                "views of the sharded fp32 main copy, so the values are copied in, not adopted; pass assign=False"
-            )
-        return load_full_state_dict(self.sharded_state, self.module, self._tp_local(state_dict), strict)
-
-    def _tp_local(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Under tensor parallelism: this TP rank's piece of each full (Hugging Face layout) tensor."""
-        if self._tp is None:
-            return state_dict
-        return self._tp.local(state_dict, local_param_shapes(self.sharded_state, self.module))
-
-    def _load_from_state_dict(
-        self,
-        state_dict: Mapping[str, Any],
-        prefix: str,
-        local_metadata: Any,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        """A parent's load_state_dict reaching this model: load the keys under `prefix` (the unwrapped
-        model's keys, as `state_dict(prefix=...)` writes them) into the shards, and report missing and
-        unexpected ones and errors as nn.Module does. torch then recurses into `self.module`, whose
-        parameters are size-0 views outside forward and whose keys (`<prefix>module.*`) the dict never
-        holds: `_forget_inner_missing` takes those from the missing keys afterwards."""
-        mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        local = {prefix + k: v for k, v in self._tp_local(mine).items()}
-        if load_nested(self.sharded_state, self.module, local, prefix, missing_keys, unexpected_keys, error_msgs):
-            self._nested_prefix = prefix
-
-    @staticmethod
-    def _forget_inner_missing(model: DistributedModel, incompatible: Any) -> None:
-        prefix = model._nested_prefix
-        if prefix is None:
-            return
-        forget_inner_missing(prefix, incompatible.missing_keys)
-        model._nested_prefix = None
-
-    def local_state_dict(self) -> dict[str, Any]:
-        """This rank's shard of every sharded parameter (1-D) and every persistent parameter, with SMP
-        v1's `_smp_is_partial: True`, by which `load_state_dict` takes it back (same topology)."""
-        return {**self.sharded_state.local_state_dict(), PARTIAL_KEY: True}
-
     def live_elements(self) -> int:
         """Unsharded elements alive right now."""
         return sum(u.num_live_elements for u in self.units)
 
     def all_sharded(self) -> bool:
         return all(u.state is UnitState.SHARDED for u in self.units)
-
-
-def refuse_nested(module: nn.Module) -> None:
-    """A module inside a DistributedModel already (its `.module`, or a part of it) holds sharded
-    parameters: wrapping it again would shard pieces of pieces and train on wrong values."""
-    for name, p in module.named_parameters():
-        if isinstance(p, ShardedTensor):
-            raise ValueError(
-                f"{type(module).__name__} is already inside a smp.DistributedModel (its parameter {name!r} is "
-                "sharded); wrap the plain model once and use that DistributedModel (its .module is the model "
-                "itself, to read, not to wrap again)"
-            )
-
-
-def _module_device(module: nn.Module) -> torch.device:
-    for t in module.parameters():
-        if t.device.type != "meta":
-            return t.device
-    return torch.device("cpu")
