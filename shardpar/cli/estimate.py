@@ -95,6 +95,7 @@ class Setup:
     precision: str = "bf16"
     activation_checkpointing: bool = False
     activation_offloading: bool = False
+    activation_loading_horizon: int = 4  # the knob: with offloading, horizon + 1 inputs back on the device
     flash_attention: bool = True
     optimizer: str = "adamw"
     reduce_dtype: str = "fp32"
@@ -120,7 +121,7 @@ class Setup:
             raise ValueError(
                 "activation offloading moves the checkpointed layer inputs: enable activation checkpointing"
             )
-        for name in ("sdp", "tp", "batch", "seq"):
+        for name in ("sdp", "tp", "batch", "seq", "activation_loading_horizon"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.engine not in ("smddp", "native"):
@@ -367,7 +368,9 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> tuple[int, int, int]:
     Measured (tests/unit/test_estimate.py): GPT-NeoX's two layer norms share one input (parallel
     residual) while SDPA also keeps its output, so the count holds within a few percent.
     With checkpointing a layer keeps its input (c sbh) and recomputes the rest in its backward;
-    offloading moves the kept inputs to host memory, two of them in flight.
+    offloading moves the kept inputs to host memory; backward reloads the one it recomputes and the
+    activation_loading_horizon ones queued before it (api/activation_offload.py), so horizon + 1 are
+    back on the device while a layer recomputes.
     Logits: b*s*V/t elements x (c logits + c grad + 4 fp32 loss working set).
     """
     c = DTYPE_BYTES[setup.precision]
@@ -381,7 +384,7 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> tuple[int, int, int]:
     if not setup.activation_checkpointing:
         return per_layer, 0, logits
     if setup.activation_offloading:
-        return 0, per_layer + 2 * sbh * c, logits
+        return 0, per_layer + (setup.activation_loading_horizon + 1) * sbh * c, logits
     return sbh * c, per_layer, logits
 
 

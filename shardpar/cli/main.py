@@ -80,6 +80,7 @@ def estimate(args: argparse.Namespace) -> int:
         sdp=args.sdp or 1, tp=tp, batch=args.batch, seq=args.seq, precision=args.precision,
         activation_checkpointing=args.activation_checkpointing or args.activation_offloading,
         activation_offloading=args.activation_offloading, flash_attention=not args.eager_attention,
+        activation_loading_horizon=args.activation_loading_horizon,
         optimizer=args.optimizer, max_live_parameters=int(args.max_live_parameters),
         reduce_bucket_size=int(args.reduce_bucket_size), device=device,
         shard_optimizer_state=args.shard_optimizer_state, world=world,
@@ -328,6 +329,9 @@ def _estimate_parser(sub: Any) -> None:
     e.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     e.add_argument("--activation-checkpointing", action="store_true")
     e.add_argument("--activation-offloading", action="store_true", help="implies checkpointing")
+    e.add_argument(
+        "--activation-loading-horizon", type=_COUNT, default=4, help="with offloading: checkpoints reloaded ahead"
+    )
     e.add_argument("--eager-attention", action="store_true", help="attention keeps the s x s scores")
     e.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd-momentum", "sgd"))
     e.add_argument("--max-live-parameters", type=_at_least(1, kind=float), default=1e9)

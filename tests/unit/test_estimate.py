@@ -87,9 +87,14 @@ def test_activation_formula_counts_each_saved_tensor() -> None:
     # checkpointing keeps each layer's input (c sbh bytes) and recomputes one layer at a time
     ckpt = replace(setup, activation_checkpointing=True)
     assert est.activation_bytes(shape, ckpt) == (s * b * h * c, per_layer, logits)
-    # offloading keeps nothing on the device but two layer inputs in flight
+    # offloading keeps nothing on the device but the inputs backward has reloaded: the one it recomputes
+    # and activation_loading_horizon (default 4) more
     offload = replace(ckpt, activation_offloading=True)
-    assert est.activation_bytes(shape, offload) == (0, per_layer + 2 * s * b * h * c, logits)
+    assert est.activation_bytes(shape, offload) == (0, per_layer + 5 * s * b * h * c, logits)
+    one = replace(offload, activation_loading_horizon=1)
+    assert est.activation_bytes(shape, one) == (0, per_layer + 2 * s * b * h * c, logits)
+    with pytest.raises(ValueError, match="activation_loading_horizon=0 must be >= 1"):
+        replace(offload, activation_loading_horizon=0)
     # the walk holds every layer's activations and the logits at the end of forward
     x = est.step_inputs(shape, setup)
     end_of_forward = [m for m in est.mm.walk(x) if m.where.startswith("forward")][-1]
