@@ -128,7 +128,8 @@ def snapshot(rev: str | None) -> tuple[str, str]:
 
 def predicted(case: Any, baseline_mib: float) -> dict[str, float]:
     """The estimator's peak and the analytical floor for `case` (MiB), with the measured baseline as
-    the framework term. Imported here, in the parent, without torch (shape_from_dims is arithmetic)."""
+    the framework term. The shape is arithmetic (shape_from_dims): the parent builds no model; what it
+    imports (shardpar, hence torch) does not reach the ranks, which are spawned fresh."""
     sys.path.insert(0, REPO)
     from shardpar.cli import estimate as est
 

@@ -1,8 +1,8 @@
 """The rank side of bench_memory.py: build a GPT-NeoX under one framework, train a few steps, and read
 the process's own peak RSS (VmHWM) around every phase.
 
-Only the spawned ranks import this module (it imports torch; bench_memory.py's parent must not, or
-its children would inherit nothing but still share nothing: the parent stays small and torch-free).
+Only the spawned ranks import this module. They are started with "spawn", so each measures its own
+imports from a fresh interpreter, whatever the parent (bench_memory.py) has loaded.
 
 Frameworks, each on CPU with gloo underneath:
     shardpar  smp.DistributedModel under smp.delay_param_initialization (a rank materialises only its

@@ -15,7 +15,7 @@ moment the bytes alive are summed; the peak is the largest sum. What is alive fo
     gather scratch   CPU only: a gather that goes to gloo (above the smddp engine's 16 MiB
                      SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES, or on the native engine) stages through
                      temporaries of at most 2 x 32 MiB ([Note: gloo's gather temporary], native.py)
-    activations      what each layer saves for backward (estimate._activations), kept from its forward
+    activations      what each layer saves for backward (estimate.activation_bytes), kept from its forward
                      to its backward; the logits and the loss's fp32 working set from the LM head's
                      forward to its backward
     unit gradients   a unit's full gradients, from its backward until they reach the reduce bucket
@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from shardpar.runtime.reducer import pack_in_order
 
 GATHER_CHUNK_BYTES = 32 << 20  # collectives/native.py GLOO_GATHER_CHUNK_BYTES
 SMDDP_SCRATCH_BYTES = 16 << 20  # the default SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES (reference 003)
@@ -137,17 +139,8 @@ def _forward(x: StepInputs) -> list[Moment]:
 
 def _buckets(units: list[UnitBytes], size: int) -> list[list[int]]:
     """Unit indices per bucket, as reducer.plan_buckets packs them (reverse order, gradient units)."""
-    groups: list[list[int]] = [[]]
-    numel = 0
-    for i in reversed(range(len(units))):
-        if not units[i].grads:
-            continue
-        if groups[-1] and numel + units[i].numel > size:
-            groups.append([])
-            numel = 0
-        groups[-1].append(i)
-        numel += max(units[i].numel, 1)
-    return [g for g in groups if g]
+    order = [i for i in reversed(range(len(units))) if units[i].grads]
+    return [[order[k] for k in group] for group in pack_in_order([units[i].numel for i in order], size)]
 
 
 def _backward(x: StepInputs) -> list[Moment]:

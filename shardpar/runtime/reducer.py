@@ -88,6 +88,7 @@ the reduced bucket must then be piece j of every unit, so that backward packs th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -113,21 +114,29 @@ class BucketPlan:
         ]
 
 
+def pack_in_order(numels: Sequence[int], bucket_size: int) -> list[list[int]]:
+    """Positions of `numels`, in order, cut into buckets of at most `bucket_size` elements (one bigger
+    than that goes alone). The estimator packs its units with it too (cli/memory_model.py)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(numels):
+        if not groups or total + n > bucket_size:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
+
+
 def plan_buckets(units: list[Unit], bucket_size: int) -> list[BucketPlan]:
     """Trainable units in reverse order, packed into buckets of at most `bucket_size` elements; a unit
     bigger than that goes alone. Units with frozen parameters come last: they are only added at the end
     of backward (hooks.py), and planned earlier they would hold back every bucket after them."""
-    groups: list[list[Unit]] = [[]]
-    numel = 0
     trainable = [u for u in reversed(units) if u.num_trainable]
-    for unit in sorted(trainable, key=lambda u: u.has_frozen):  # stable: reverse order within each kind
-        if groups[-1] and numel + unit.layout.padded_numel > bucket_size:
-            groups.append([])
-            numel = 0
-        groups[-1].append(unit)
-        numel += unit.layout.padded_numel
+    order = sorted(trainable, key=lambda u: u.has_frozen)  # stable: reverse order within each kind
     plans = []
-    for group in filter(None, groups):
+    for positions in pack_in_order([u.layout.padded_numel for u in order], bucket_size):
+        group = [order[i] for i in positions]
         widths = [u.layout.shard_numel for u in group]
         columns = tuple(sum(widths[:i]) for i in range(len(group)))
         plans.append(BucketPlan(tuple(group), columns, sum(widths)))
