@@ -59,6 +59,19 @@ class Config:
     )
     sdp_max_live_parameters: int = _knob(int(1e9), "cap on unsharded elements alive at once", minimum=0, exclusive=True)
     sdp_hierarchical_allgather: bool = _knob(True, "intra-node/inter-node AllGather when groups span nodes")
+    sdp_hierarchical_reduce_scatter: bool = _knob(
+        True, "ReduceScatter inside each node first, then 1/ranks-per-node of it across nodes, when groups span nodes"
+    )
+    sdp_defer_cross_node_reduce: bool = _knob(
+        False,
+        "spanning groups: the cross-node hop of the gradient ReduceScatter waits for the accumulation boundary "
+        "(node-reduced sums kept in fp32: nodes x the sharded gradients per rank during the window)",
+    )
+    sdp_node_secondary_shard: bool = _knob(
+        False,
+        "spanning groups: a unit keeps its node's secondary shard (nodes x its shard, compute dtype) from its first "
+        "cross-node AllGather until the optimizer step; every later gather of the step stays inside the node",
+    )
     sdp_gradient_clipping: float = _knob(1.0, "global L2 max norm applied in optimizer.step(); 0 = off", minimum=0)
     fp16: bool = _knob(False, "fp16 compute with loss scaling")
     bf16: bool = _knob(False, "bf16 compute")

@@ -11,10 +11,12 @@ sdp; the ranks at the same position in every sharding group form a replication g
     sharding groups:    (0,4,8,12) (16,20,24,28)
     replication groups: (0,16) (4,20) (8,24) (12,28)
 
-Node-local groups are runs of `ranks_per_node` consecutive ranks. For the hierarchical AllGather each
-sharding group is further split into its members on one node (`sharding_node_groups`) and the members
-with the same position on their node (`sharding_cross_groups`) -- when every node holds the same
-number of the group's ranks; otherwise those are empty and the flat gather is used.
+Node-local groups are runs of `ranks_per_node` consecutive ranks. For the hierarchical AllGather and
+ReduceScatter each sharding group is further split into its members on one node (`sharding_node_groups`)
+and the members with the same position on their node (`sharding_cross_groups`) -- when every node holds
+the same number of the group's ranks; otherwise those are empty and the flat collectives are used. The
+ReduceScatter's node hop has a group kind of its own (`sharding_node_reduce`, the same ranks): it runs on
+the caller's thread, the AllGather's node hop on the engine's chain thread ([Note: hierarchical chaining]).
 """
 
 from __future__ import annotations
@@ -28,7 +30,17 @@ from shardpar.collectives.base import Group
 
 Ranks = tuple[int, ...]
 
-GROUP_KINDS = ("world", "tp", "rdp", "sharding", "replication", "node", "sharding_node", "sharding_cross")
+GROUP_KINDS = (
+    "world",
+    "tp",
+    "rdp",
+    "sharding",
+    "replication",
+    "node",
+    "sharding_node",
+    "sharding_node_reduce",
+    "sharding_cross",
+)
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,7 @@ class Plan:
             "replication": tuple(c.tp_rank + (r * sdp + c.sdp_rank) * tp for r in range(self.num_replicas)),
             "node": node_group,
             "sharding_node": next((g for g in split[0] if rank in g), ()) if split else (),
+            "sharding_node_reduce": next((g for g in split[0] if rank in g), ()) if split else (),
             "sharding_cross": next((g for g in split[1] if rank in g), ()) if split else (),
         }
 
@@ -154,6 +167,11 @@ class Plan:
     def sharding_node_groups(self) -> tuple[Ranks, ...]:
         splits = [_split_by_node(g, self.ranks_per_node) for g in self.sharding_groups]
         return tuple(sub for s in splits if s for sub in s[0])
+
+    @cached_property
+    def sharding_node_reduce_groups(self) -> tuple[Ranks, ...]:
+        # the same ranks as sharding_node, for the ReduceScatter's node hop on the caller's thread
+        return self.sharding_node_groups
 
     @cached_property
     def sharding_cross_groups(self) -> tuple[Ranks, ...]:

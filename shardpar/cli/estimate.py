@@ -109,6 +109,11 @@ class Setup:
     # CPU: glibc's MALLOC_MMAP_THRESHOLD_ (bytes); freed blocks below it stay with the process
     mmap_threshold: int = 1 << 20
     engine: str = "smddp"  # on CPU: "smddp" (ddp_dist_backend auto) or "native" (gloo)
+    # Sharding groups that span nodes (issue 28): ranks a node, and the two knobs that cost memory there.
+    ranks_per_node: int | None = None
+    node_secondary_shard: bool = False
+    defer_cross_node_reduce: bool = False
+    accum: int = 1
 
     def __post_init__(self) -> None:
         if self.precision not in DTYPE_BYTES:
@@ -330,9 +335,28 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     parts["shard gradients before their ReduceScatter"] = moment.parts.get("shard gradients", 0)
     for key, label in _PART_LABELS.items():
         parts[label] = moment.parts.get(key, 0)
+    parts.update(_cross_node_states(shape, setup))
     parts["framework"] = _framework(setup)
     full = sum(states.values()) + 4 * (_owned(shape, setup) + shape.persistent_numel)
     return Estimate(shape, setup, parts, peak_at=moment.where, model_state_bytes=full)
+
+
+def _cross_node_states(shape: ModelShape, setup: Setup) -> dict[str, int]:
+    """What sdp_node_secondary_shard and sdp_defer_cross_node_reduce keep per rank (cli/cross_node.py)."""
+    if setup.ranks_per_node is None:
+        return {}
+    from shardpar.cli import cross_node
+    from shardpar.topology import plan
+
+    world = setup.world or setup.sdp * setup.tp
+    knobs = cross_node.Knobs(
+        accum=setup.accum,
+        compute_bytes=DTYPE_BYTES[setup.precision],
+        node_secondary_shard=setup.node_secondary_shard,
+        defer_cross_node_reduce=setup.defer_cross_node_reduce,
+    )
+    layout = plan(world, setup.tp, setup.sdp, min(setup.ranks_per_node, world))
+    return cross_node.extra_state_bytes(layout, sum(shape.unit_numels), knobs)
 
 
 def floor(shape: ModelShape, setup: Setup) -> int:

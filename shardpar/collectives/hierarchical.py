@@ -15,6 +15,16 @@ node's whole block across the network from every local rank -- L times the cross
 
 Results are bit-identical to the flat gather: only copies happen.
 
+[Note: secondary shard]
+The blocks of step 1 are exactly what ZeRO++ calls a secondary shard (hpZ) and FSDP2 a
+`reshard_after_forward=int` shard: this rank's slice of the unit when the unit is sharded over the node
+only -- N shards, 1/L of the unit. With `sdp_node_secondary_shard` a unit keeps them (in the compute
+dtype) after its first gather of a step, and every later gather of that step -- backward's re-gather,
+the next micro-batches' forward and backward -- runs step 2 alone, inside the node. They are dropped
+when the unit's values change (the optimizer step, a load, a write through a user parameter: the unit's
+`refresh_compute`). Cost: N x the unit's shard per rank, from the first forward of a step to its
+optimizer step; saved: (2 x micro-batches - 1) of the step's cross-node gathers.
+
 # [Note: hierarchical chaining]
 # Step 2 and the permute are chained on step 1 when the gather is issued (`all_gather_after`: the
 # smddp worker, the native engine's chain thread, or a side stream on CUDA), so an async gather --
@@ -34,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardpar.collectives.base import Engine, Group, Work, all_gather_after, check_gather_shapes
+from shardpar.collectives.base import CompletedWork, Engine, Group, Work, all_gather_after, check_gather_shapes
 
 # (staged, blocks, after, then): gather `blocks` inside the node into `staged` once `after` has
 # completed, then call `then`; returns at once, in issue order with the engine's other calls.
@@ -57,11 +67,12 @@ def engine_steps(engine: Engine, node: Group, cross: Group) -> HierarchicalSteps
     )
 
 
-def scratch_numel(numel: int, num_local: int) -> int:
+def scratch_numel(numel: int, num_local: int, *, own_blocks: bool = False) -> int:
     """Elements a hierarchical gather of `numel` output elements holds besides its output: the
-    cross-node blocks (numel / num_local) and the node-local staging buffer (numel). Zero when the
-    node step has one rank (the blocks are the output)."""
-    return 0 if num_local == 1 else numel + numel // num_local
+    cross-node blocks (numel / num_local; not with `own_blocks`, a secondary shard the caller keeps)
+    and the node-local staging buffer (numel). Zero when the node step has one rank (the blocks are the
+    output)."""
+    return 0 if num_local == 1 else numel + (0 if own_blocks else numel // num_local)
 
 
 class HierarchicalGatherWork:
@@ -96,10 +107,14 @@ def hierarchical_all_gather(
     async_op: bool = False,
     steps: HierarchicalSteps | None = None,
     on_scratch: Callable[[int], None] | None = None,
+    blocks: torch.Tensor | None = None,
+    blocks_ready: bool = False,
 ) -> Work:
     """AllGather over `sharding` as cross-node exchange then intra-node gather ([Note: hierarchical
     chaining]). `steps` defaults to plain engine calls over `node` and `cross`; `on_scratch(+/-n)`
-    hears of the scratch elements held."""
+    hears of the scratch elements held. `blocks`: the caller's buffer for the cross-node blocks (its
+    node-local secondary shard, [Note: secondary shard]), kept after the gather; with `blocks_ready` it
+    already holds them, and only the node step runs -- nothing crosses nodes."""
     check_gather_shapes(output, input, sharding, "all_gather")
     if node.size * cross.size != sharding.size:
         raise AssertionError(f"node {node.ranks} x cross {cross.ranks} do not tile sharding {sharding.ranks}")
@@ -108,17 +123,20 @@ def hierarchical_all_gather(
         work = steps.cross(output, input)
     else:
         num_local, num_nodes, shard = node.size, cross.size, input.numel()
-        blocks = torch.empty(shard * num_nodes, dtype=input.dtype, device=input.device)
+        scratch = output.numel() + (0 if blocks is not None else shard * num_nodes)
+        if blocks is None:
+            blocks = torch.empty(shard * num_nodes, dtype=input.dtype, device=input.device)
         staged = torch.empty_like(output)
         if on_scratch is not None:
-            on_scratch(blocks.numel() + staged.numel())
+            on_scratch(scratch)
 
         def permute() -> None:
             # staged is [local][node][shard]; the sharding group's order is [node][local][shard].
             output.view(num_nodes, num_local, shard).copy_(staged.view(num_local, num_nodes, shard).transpose(0, 1))
 
-        last = steps.node(staged, blocks, steps.cross(blocks, input), permute)
-        work = HierarchicalGatherWork(last, on_scratch, blocks.numel() + staged.numel())
+        crossed: Work = CompletedWork() if blocks_ready else steps.cross(blocks, input)
+        last = steps.node(staged, blocks, crossed, permute)
+        work = HierarchicalGatherWork(last, on_scratch, scratch)
     if not async_op:
         work.wait()
     return work

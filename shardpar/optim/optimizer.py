@@ -219,7 +219,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._clipped_by_user = False
-        self.model.window.reset()  # the window's gradients are dropped
+        self.model.reset_window()  # the window's gradients are dropped
         self.model.nonfinite_losses.zero_()  # and what model.backward saw of their losses
         if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped
             self.model.reset_grad_usage()

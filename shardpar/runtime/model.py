@@ -33,6 +33,7 @@ from shardpar.runtime.schedule import LiveCounter, Scheduler
 from shardpar.runtime.sharded_tensor import ShardComm
 from shardpar.runtime.state import ShardedState
 from shardpar.runtime.state_dict import TPLayout, persistent_buffers
+from shardpar.runtime.two_hop import TwoHopReduce
 from shardpar.runtime.unit import Unit
 from shardpar.runtime.unit_comm import UnitComm
 from shardpar.runtime.user_params import UserParams
@@ -111,6 +112,7 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
             self.policy.reduce,
             self.device,
             plan_buckets(self.units, config.sdp_reduce_bucket_size),
+            two_hop=self._two_hop_reduce(config),
         )
         self.sharded_state = ShardedState(
             self.units, self.persistent, engine=engine, topology=topology, device=self.device
@@ -170,6 +172,17 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
             up.params = [(n, p) for n, p in up.params if p.numel() >= threshold]
         return persistent, unit_of
 
+    def _two_hop_reduce(self, config: Config) -> TwoHopReduce | None:
+        """The two-hop ReduceScatter when the sharding group spans nodes ([Note: two-hop ReduceScatter])."""
+        node, cross = self.topology.groups["sharding_node_reduce"], self.topology.groups["sharding_cross"]
+        if not (config.sdp_hierarchical_reduce_scatter and self.topology.plan.spans_nodes and cross.size > 1):
+            return None
+        if node.size == 1:  # one member a node: the flat ReduceScatter is the cross hop already
+            return None
+        return TwoHopReduce(
+            self.engine, node, cross, self.policy.reduce, self.device, defer=config.sdp_defer_cross_node_reduce
+        )
+
     def _build_units(self, plans: list[UnitPlan], materialize: Callable[[nn.Parameter], torch.Tensor]) -> list[Unit]:
         node, cross = self.topology.groups["sharding_node"], self.topology.groups["sharding_cross"]
         hierarchical = (
@@ -186,6 +199,7 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
             node=node if hierarchical else None,
             cross=cross if hierarchical else None,
             on_live_change=self.live,
+            secondary=self.shardpar_config.sdp_node_secondary_shard,
         )
         units: list[Unit] = []
         for up in plans:
@@ -242,10 +256,17 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
         user_params.py); at the end of a window, None for the parameters no rank got a gradient for."""
         self.user_params.publish_grads(self.unused_params if boundary else ())
 
+    def reset_window(self) -> None:
+        """The open window's gradients are dropped (zero_grad): its count, and the node sums a deferred
+        cross hop kept ([Note: cross hop at the boundary], two_hop.py)."""
+        self.window.reset()
+        if self.reducer.two_hop is not None:
+            self.reducer.two_hop.drop_partials()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients of the open window, as `optimizer.zero_grad()` does: the main
         grads behind the user parameters' .grad, and the window's count of backward passes."""
-        self.window.reset()
+        self.reset_window()
         self.nonfinite_losses.zero_()
         if set_to_none:
             self.reset_grad_usage()

@@ -94,6 +94,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardpar.collectives import CompletedWork, Engine, Group, ReduceOp, Span, Work
+from shardpar.runtime.two_hop import CrossInflight, TwoHopReduce
 from shardpar.runtime.unit import Unit
 
 
@@ -147,10 +148,11 @@ def plan_buckets(units: list[Unit], bucket_size: int) -> list[BucketPlan]:
 class _Inflight:
     work: Work
     plan: BucketPlan
-    out: torch.Tensor
+    out: torch.Tensor | None  # None: a two-hop node sum kept for the boundary ([Note: cross hop at the boundary])
     replicated: bool  # `out` holds final main grads, AllReduced over the replication group
     split: int = 1  # > 1: `out` holds replica pieces, ReduceScattered over the replication group
     retired: bool = False  # the collective completed and its Work (and input) were dropped
+    factor: float | None = None  # two-hop: what `out` enters the main grads with (else drain's scale)
 
 
 @dataclass
@@ -174,13 +176,16 @@ class GradReducer:
     _replicate_scale: float | None = None
     # Rows per shard of this backward's buckets: the replicas where the bucket carries their ReduceScatter.
     _split: int = 1
+    # A sharding group spanning nodes, sdp_hierarchical_reduce_scatter: [Note: two-hop ReduceScatter].
+    two_hop: TwoHopReduce | None = None
 
     def __post_init__(self) -> None:
         for b, plan in enumerate(self.plans):
             for position, (unit, column) in enumerate(zip(plan.units, plan.columns, strict=True)):
                 self._where[id(unit)] = (b, column, position)
         probe = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
-        self.reads_in_place = self.sharding.size > 1 and self.engine.reads_spans(probe, self.sharding)
+        first_hop = self.sharding if self.two_hop is None else self.two_hop.node
+        self.reads_in_place = self.sharding.size > 1 and self.engine.reads_spans(probe, first_hop)
         self._clear()
 
     def _clear(self) -> None:
@@ -203,6 +208,8 @@ class GradReducer:
         # shard_optimizer_state: the units' pieces are per replica ([Note: replica-sharded main])
         owned = fold and all(u.replica is not None for p in self.plans for u in p.units)
         self._split = self.replication.size if owned else 1
+        if self.two_hop is not None:
+            self.two_hop.begin_backward(boundary=boundary, scale=scale)
         self._clear()
 
     @property
@@ -229,9 +236,12 @@ class GradReducer:
             buffer, split = self._buffers[b], self._split
             if buffer is None:
                 rows, width = unit.layout.num_shards * split, self.plans[b].width // split
-                buffer = torch.empty(rows, width, dtype=self.reduce_dtype, device=self.device)
+                if self.two_hop is not None:  # [L, N, width] in memory, packed in shard order
+                    buffer = self.two_hop.bucket_buffer(width)[1]
+                else:
+                    buffer = torch.empty(rows, width, dtype=self.reduce_dtype, device=self.device)
                 self._buffers[b] = buffer
-            unit.pack_grads(buffer[:, column // split : (column + unit.layout.shard_numel) // split])
+            unit.pack_grads(buffer[..., column // split : (column + unit.layout.shard_numel) // split])
         unit.reduced = True
         self._arrived[b] += 1
         while self._next < len(self.plans) and self._arrived[self._next] == len(self.plans[self._next].units):
@@ -260,12 +270,17 @@ class GradReducer:
         AllReduce in a boundary backward, or nothing (sdp 1: the bucket is the reduced shard)."""
         plan = self.plans[b]
         if self.reads_in_place:
-            self._inflight.append(self._issue_in_place(b))
+            issued = self._issue_in_place(b)
+            if issued is not None:
+                self._inflight.append(issued)
             return
         bucket = self._buffers[b]
         if bucket is None:
             raise AssertionError(f"bucket {b} is complete but has no buffer")
         self._buffers[b] = None  # the engine keeps it alive while it needs it
+        if self.two_hop is not None:
+            self._take_cross(self.two_hop.issue(b, plan.width, bucket.transpose(0, 1)))
+            return
         if self._split > 1:
             self._issue_replica_pieces(plan, bucket)
             return
@@ -296,7 +311,13 @@ class GradReducer:
         work = self.engine.reduce_scatter(out, bucket.reshape(-1), self.replication, op=ReduceOp.AVG, async_op=True)
         self._inflight.append(_Inflight(work, plan, out, replicated=True, split=split))
 
-    def _issue_in_place(self, b: int) -> _Inflight:
+    def _take_cross(self, cross: CrossInflight | None) -> None:
+        """Track a two-hop bucket's cross hop (or the node sum it kept for the boundary)."""
+        if cross is not None:
+            plan = self.plans[cross.bucket]
+            self._inflight.append(_Inflight(cross.work, plan, cross.out, replicated=False, factor=cross.factor))
+
+    def _issue_in_place(self, b: int) -> _Inflight | None:
         """Bucket b's ReduceScatter read from the grads themselves ([Note: gradients read in place])."""
         plan, grads = self.plans[b], self._grads[b] or []
         taken = [g for g in grads if g is not None]
@@ -304,9 +325,13 @@ class GradReducer:
             raise AssertionError(f"bucket {b} is complete but not every unit's grads were taken")
         self._grads[b] = None  # the engine keeps the spans alive while it reads them
         spans: list[Span] = []
-        for row in range(self.sharding.size):
+        order = range(self.sharding.size) if self.two_hop is None else self.two_hop.shard_order()
+        for row in order:
             for unit, unit_grads in zip(plan.units, taken, strict=True):
                 spans += unit.grad_spans(unit_grads, row)
+        if self.two_hop is not None:
+            self._take_cross(self.two_hop.issue(b, plan.width, spans))
+            return None
         out = torch.empty(plan.width, dtype=self.reduce_dtype, device=self.device)
         work = self.engine.reduce_scatter_spans(out, spans, self.sharding, op=ReduceOp.AVG, async_op=True)
         return _Inflight(work, plan, out, replicated=False)
@@ -318,13 +343,17 @@ class GradReducer:
         if self._next != len(self.plans):
             missing = [u.name for b in range(self._next, len(self.plans)) for u in self.plans[b].units if not u.reduced]
             raise AssertionError(f"backward ended with units not added to the reducer: {missing}")
+        if self.two_hop is not None:
+            self._take_cross(self.two_hop.finish())
         for item in self._inflight:
             item.work.wait()
+            if item.out is None:
+                continue  # kept for the boundary's cross hop ([Note: cross hop at the boundary])
             for unit, piece in item.plan.pieces(item.out, item.split):
                 if item.split > 1 and unit.replica is not None:
                     unit.replica.take_grad(piece)  # this rank's piece ([Note: replica-sharded main])
                 elif item.replicated:
                     unit.adopt_main_grad(piece)
                 else:
-                    unit.accumulate_main_grad(piece, scale=scale)
+                    unit.accumulate_main_grad(piece, scale=scale if item.factor is None else item.factor)
         self._inflight = []

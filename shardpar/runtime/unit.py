@@ -114,6 +114,9 @@ class Unit:
         self._full: torch.Tensor | None = None  # what the parameters view while unsharded
         self._gathered: torch.Tensor | None = None  # sdp > 1: [Note: gathered storage]
         self._gather_work: Work | None = None
+        # sdp_node_secondary_shard: the cross-node blocks of this step's first gather ([Note: secondary
+        # shard], hierarchical.py); None until then and after the unit's values change.
+        self._secondary: torch.Tensor | None = None
         self.num_trainable = sum(p.requires_grad for p in params)
         self.has_frozen = self.num_trainable != len(params)
         self.grads_arrived = 0
@@ -151,6 +154,7 @@ class Unit:
 
     def refresh_compute(self) -> None:
         """After the optimizer stepped the fp32 main shard: refresh the half-precision copy."""
+        self._secondary = None  # gathered from the old values
         if self.replica is not None:
             self.replica.refresh(self)  # AllGather of the stepped pieces over the replication group
             return
@@ -183,13 +187,30 @@ class Unit:
                 self.state = UnitState.UNSHARDED
             else:
                 full = self._fill_gathered_storage()
-                self._gather_work = self.comm.gather(full, self.compute_shard(), async_op=True, unit=self)
+                self._gather_work = self._gather(full)
                 self._full = full
                 self.state = UnitState.UNSHARDING
             if self.comm.on_live_change is not None:
                 self.comm.on_live_change(self, self.layout.padded_numel)
         if not async_op:
             self.wait_for_unshard()
+
+    def _gather(self, full: torch.Tensor) -> Work:
+        """Start the AllGather of the compute shard into `full`, from the secondary shard when it holds
+        this step's values ([Note: secondary shard])."""
+        shard = self.compute_shard()
+        if not self.comm.keeps_secondary:
+            return self.comm.gather(full, shard, async_op=True, unit=self)
+        ready = self._secondary is not None
+        if self._secondary is None:
+            numel = self.comm.secondary_numel(shard.numel())
+            self._secondary = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+        return self.comm.gather(full, shard, async_op=True, unit=self, blocks=self._secondary, blocks_ready=ready)
+
+    @property
+    def secondary_numel(self) -> int:
+        """Elements of the secondary shard this unit holds now."""
+        return 0 if self._secondary is None else self._secondary.numel()
 
     def wait_for_unshard(self) -> None:
         """Finish a started AllGather and point every original parameter at its full view."""
@@ -269,8 +290,9 @@ class Unit:
 
     def pack_grads(self, out: torch.Tensor) -> None:
         """Write the unit's gradients into `out`, its [num_shards, shard_numel] column range of a
-        bucket (row r = shard r; rows may be strided, see reducer.py), with zero padding and zeros for
-        parameters without a gradient; free the autograd grads.
+        bucket (row r = shard r; rows may be strided, see reducer.py; or [nodes, local, shard_numel],
+        shard r at [r // local, r % local], for a two-hop bucket: [Note: two-hop ReduceScatter]), with
+        zero padding and zeros for parameters without a gradient; free the autograd grads.
 
         Every rank reduces every trainable unit exactly once per backward, gradient or not, so the
         collectives line up whatever the graph did.
@@ -384,6 +406,7 @@ class Unit:
 
     def load_full_params(self, values: dict[str, torch.Tensor]) -> None:
         """Set the main shard from full parameter values (every rank passes the same values)."""
+        self._secondary = None
         with torch.no_grad():
             if self.replica is not None:
                 self.replica.load_full(self, values)
@@ -403,18 +426,21 @@ def _write_flat(
     block: torch.Tensor, flat: torch.Tensor | None, start: int, numel: int, src: torch.Tensor | None
 ) -> None:
     """block.view(-1)[start : start + numel] = src (zeros when src is None), for a [rows, width] block
-    whose rows may be strided: then the range is written row piece by row piece."""
+    whose rows may be strided -- then the range is written row piece by row piece -- or a
+    [nodes, local, width] one, row r at [r // local, r % local]."""
     if numel == 0:
         return
     if flat is not None:
         _fill(flat[start : start + numel], src)
         return
-    width = block.shape[1]
+    width = block.shape[-1]
+    rows = block if block.dim() == 2 else None
     pos = start
     while pos < start + numel:
         row, col = divmod(pos, width)
         take = min(width - col, start + numel - pos)
-        _fill(block[row, col : col + take], None if src is None else src[pos - start : pos - start + take])
+        line = rows[row] if rows is not None else block[row // block.shape[1], row % block.shape[1]]
+        _fill(line[col : col + take], None if src is None else src[pos - start : pos - start + take])
         pos += take
 
 

@@ -25,10 +25,30 @@ class UnitComm:
     node: Group | None = None
     cross: Group | None = None
     on_live_change: Callable[[Any, int], None] | None = None  # (unit, +/- elements)
+    # sdp_node_secondary_shard: units keep their cross-node blocks for the step ([Note: secondary shard]).
+    secondary: bool = False
 
-    def gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool, unit: Any = None) -> Work:
+    @property
+    def keeps_secondary(self) -> bool:
+        return self.secondary and self.node is not None and self.cross is not None
+
+    def secondary_numel(self, shard_numel: int) -> int:
+        """Elements of a unit's secondary shard: its shard from every node."""
+        return 0 if self.cross is None else shard_numel * self.cross.size
+
+    def gather(
+        self,
+        output: torch.Tensor,
+        shard: torch.Tensor,
+        *,
+        async_op: bool,
+        unit: Any = None,
+        blocks: torch.Tensor | None = None,
+        blocks_ready: bool = False,
+    ) -> Work:
         """AllGather `shard` into `output`; a hierarchical gather reports its scratch buffers for `unit`
-        through `on_live_change` while it holds them ([Note: hierarchical chaining])."""
+        through `on_live_change` while it holds them ([Note: hierarchical chaining]). `blocks` and
+        `blocks_ready`: the unit's secondary shard ([Note: secondary shard])."""
         if self.node is not None and self.cross is not None:
             on_live, on_scratch = self.on_live_change, None
             if on_live is not None and unit is not None:
@@ -42,9 +62,13 @@ class UnitComm:
                 cross=self.cross,
                 async_op=async_op,
                 on_scratch=on_scratch,
+                blocks=blocks,
+                blocks_ready=blocks_ready,
             )
         return self.engine.all_gather(output, shard, self.sharding, async_op=async_op)
 
     def gather_scratch(self, numel: int) -> int:
         """Elements `gather` holds besides an output of `numel` while it runs (the live cap counts them)."""
-        return 0 if self.node is None or self.cross is None else scratch_numel(numel, self.node.size)
+        if self.node is None or self.cross is None:
+            return 0
+        return scratch_numel(numel, self.node.size, own_blocks=self.keeps_secondary)

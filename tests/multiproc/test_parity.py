@@ -11,6 +11,7 @@ from tests.multiproc.parity import run_many
 TOL = 1e-5
 # Threshold 10 elements: every weight matrix is sharded, small biases and scalars stay persistent.
 SHARD = {"sdp_param_persistence_threshold": 10}
+SPAN = {"sharded_data_parallel_degree": 4, "ranks_per_node": 2}
 
 CASES: dict[int, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {
     1: [
@@ -33,11 +34,20 @@ CASES: dict[int, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {
         ("gpt2_tied", {**SHARD, "sharded_data_parallel_degree": 2}, {"accum": 2}),
         ("mlp", {**SHARD, "sharded_data_parallel_degree": 1}, {}),
         ("neox_wide_vocab", {**SHARD, "sharded_data_parallel_degree": 4}, {"accum": 2}),
+        # sdp 4 spanning two "nodes" of 2 ranks: two-hop ReduceScatter and hierarchical gathers (issue 28)
+        ("neox", {**SHARD, **SPAN}, {"accum": 2}),
+        (
+            "neox",
+            {**SHARD, **SPAN, "sdp_defer_cross_node_reduce": True, "sdp_node_secondary_shard": True},
+            {"accum": 2},
+        ),
     ],
     8: [
         ("mlp", {**SHARD, "sharded_data_parallel_degree": 8}, {}),
         ("neox", {**SHARD, "sharded_data_parallel_degree": 4}, {"accum": 2, "steps": 2}),
         ("mlp", {**SHARD, "sharded_data_parallel_degree": 2}, {"accum": 2}),
+        # sdp 4 over two nodes of 2, two replicas, the cross hop at the boundary
+        ("neox", {**SHARD, **SPAN, "sdp_defer_cross_node_reduce": True}, {"accum": 2}),
     ],
 }
 
