@@ -67,6 +67,14 @@ class Config:
         "spanning groups: the cross-node hop of the gradient ReduceScatter waits for the accumulation boundary "
         "(node-reduced sums kept in fp32: nodes x the sharded gradients per rank during the window)",
     )
+    sdp_quantize_cross_node_weights: bool = _knob(
+        False, "spanning groups: the AllGather's cross-node step sends int8 blocks (ZeRO++ qwZ); lossy"
+    )
+    sdp_quantize_cross_node_gradients: bool = _knob(
+        False,
+        "spanning groups: the ReduceScatter's cross-node hop sends int8 blocks with error feedback (ZeRO++ qgZ); "
+        "lossy; keeps nodes x the sharded gradients (fp32) per rank",
+    )
     sdp_node_secondary_shard: bool = _knob(
         False,
         "spanning groups: a unit keeps its node's secondary shard (nodes x its shard, compute dtype) from its first "
@@ -212,6 +220,15 @@ class Config:
                 f"tensor_parallel_degree={self.tensor_parallel_degree} requires prescaled_batch=True (each TP "
                 "group reads one combined batch: smp.rdp_slice); set it"
             )
+        for knob, needs in (
+            ("sdp_quantize_cross_node_weights", "sdp_hierarchical_allgather"),
+            ("sdp_node_secondary_shard", "sdp_hierarchical_allgather"),
+            ("sdp_quantize_cross_node_gradients", "sdp_hierarchical_reduce_scatter"),
+            ("sdp_defer_cross_node_reduce", "sdp_hierarchical_reduce_scatter"),
+        ):
+            if getattr(self, knob) and not getattr(self, needs):
+                # the knob acts on the hierarchical collective's cross-node step, which would not exist
+                raise ValueError(f"{knob}=True acts on the cross-node step of {needs}, which is False; set both")
         for name in ("smddp_ag_scratch_buffer_size_bytes", "smddp_ag_sort_buffer_size_bytes"):
             value = getattr(self, name)
             if value <= 0 or value % SMDDP_BUFFER_ALIGN:

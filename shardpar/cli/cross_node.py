@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from shardpar.collectives.quantize import QBLOCK, padded
 from shardpar.topology import Plan
 
 
@@ -51,6 +53,8 @@ class Knobs:
     hierarchical_reduce_scatter: bool = True
     defer_cross_node_reduce: bool = False
     node_secondary_shard: bool = False
+    quantize_weights: bool = False  # int8 + a scale per block on the cross-node gather step
+    quantize_gradients: bool = False  # likewise on the ReduceScatter's cross hop
 
 
 def _node(plan: Plan, rank: int) -> int:
@@ -80,27 +84,47 @@ def _direct_bytes(plan: Plan, groups: Sequence[tuple[int, ...]], per_peer: float
     return total
 
 
+def _quantized(numel: int) -> int:
+    """Wire bytes of `numel` elements quantized ([Note: cross-node quantization]): int8 padded to whole
+    blocks, and an fp32 scale per block."""
+    return padded(numel) + padded(numel) // QBLOCK * 4
+
+
 def traffic(
-    plan: Plan, units: Sequence[int], knobs: Knobs, *, root_numel: int = 0, persistent_numel: int = 0
+    plan: Plan,
+    units: Sequence[int],
+    knobs: Knobs,
+    *,
+    root_numel: int = 0,
+    persistent_numel: int = 0,
+    buckets: Sequence[int] | None = None,
 ) -> Traffic:
     """What node 0 sends across nodes per step. `units`: every sharded unit's padded element count
-    except the root's, which is `root_numel` (gathered once per micro-batch)."""
+    except the root's, which is `root_numel` (gathered once per micro-batch); `buckets`: the reduce
+    buckets' widths (shard elements; default one bucket) -- quantization pads each to whole blocks."""
     k, sdp = knobs.accum, plan.sdp
     sharded = sum(units) + root_numel
     secondary = knobs.node_secondary_shard and knobs.hierarchical_allgather
-    gathered = sharded if secondary else k * (2 * sum(units) + root_numel)  # elements gathered per step
     reductions = 1 if knobs.defer_cross_node_reduce and knobs.hierarchical_reduce_scatter else k
     spans = plan.spans_nodes and sdp > 1
     if not spans:
         gather = reduce = 0.0
     else:
         gb, rb = knobs.compute_bytes, knobs.reduce_bytes
+        # per-rank shard bytes of one gather of each unit, and how often each is gathered per step
+        uses = [(root_numel, 1)] * bool(root_numel) + [(u, 2) for u in units]
+        shard_bytes = [_quantized(u // sdp) if knobs.quantize_weights else u // sdp * gb for u, _ in uses]
+        counts = [1 if secondary else k * n for _, n in uses]
+        gathered_bytes = sum(b * c for b, c in zip(shard_bytes, counts, strict=True))
+        gathered = sum(u * c for (u, _), c in zip(uses, counts, strict=True))  # elements, flat ring below
         if knobs.hierarchical_allgather:
-            gather = _direct_bytes(plan, plan.sharding_cross_groups, gathered / sdp * gb)
+            gather = _direct_bytes(plan, plan.sharding_cross_groups, gathered_bytes)
         else:
             gather = _ring_bytes(plan, plan.sharding_groups, gathered * (sdp - 1) / sdp * gb)
+        widths = list(buckets) if buckets is not None else [sharded // sdp]
+        row_bytes = sum(_quantized(w) for w in widths) if knobs.quantize_gradients else sum(widths) * rb
         if knobs.hierarchical_reduce_scatter:
-            reduce = _direct_bytes(plan, plan.sharding_cross_groups, reductions * sharded / sdp * rb)
+            reduce = _direct_bytes(plan, plan.sharding_cross_groups, reductions * row_bytes)
         else:  # gloo's ReduceScatter is an AllReduce ([Note: ReduceScatter by exchange])
             reduce = _ring_bytes(plan, plan.sharding_groups, k * 2 * sharded * (sdp - 1) / sdp * rb)
     replicas = plan.num_replicas
@@ -127,9 +151,13 @@ def model_traffic(model: object, accum: int) -> Traffic:
         hierarchical_reduce_scatter=cfg.sdp_hierarchical_reduce_scatter,
         defer_cross_node_reduce=cfg.sdp_defer_cross_node_reduce,
         node_secondary_shard=cfg.sdp_node_secondary_shard,
+        quantize_weights=cfg.sdp_quantize_cross_node_weights,
+        quantize_gradients=cfg.sdp_quantize_cross_node_gradients,
     )
+    buckets = [plan.width for plan in model.reducer.plans]  # type: ignore[attr-defined]
     persistent = sum(p.numel() for _, p in model.persistent.named)  # type: ignore[attr-defined]
-    return traffic(model.topology.plan, rest, knobs, root_numel=sum(root), persistent_numel=persistent)  # type: ignore[attr-defined]
+    layout = model.topology.plan  # type: ignore[attr-defined]
+    return traffic(layout, rest, knobs, root_numel=sum(root), persistent_numel=persistent, buckets=buckets)
 
 
 def link_seconds(nbytes: float, gbps: float) -> float:
@@ -154,6 +182,8 @@ def extra_state_bytes(plan: Plan, sharded_numel: int, knobs: Knobs) -> dict[str,
         out["secondary shards (sdp_node_secondary_shard)"] = nodes * shard * knobs.compute_bytes
     if knobs.defer_cross_node_reduce and knobs.hierarchical_reduce_scatter and knobs.accum > 1 and plan.sdp > nodes:
         out["deferred node sums (sdp_defer_cross_node_reduce)"] = nodes * shard * 4
+    if knobs.quantize_gradients and knobs.hierarchical_reduce_scatter and plan.sdp > nodes:
+        out["error feedback (sdp_quantize_cross_node_gradients)"] = nodes * shard * 4
     return out
 
 
@@ -178,3 +208,29 @@ def report(plan: Plan, units: Sequence[int], knobs: Knobs, gbps: float, *, root_
         better = "sdp = one node moves less" if results[1] < results[0] else "this layout moves no more"
         lines.append(f"  -> {better} across nodes (node-local sdp keeps N x the model states per rank)")
     return "\n".join(lines)
+
+
+def print_estimate(args: Any, shape: Any, setup: Any, world: int) -> None:
+    """`shardpar estimate --link-gbps`: the cross-node part, before the memory estimate."""
+    from shardpar.topology import plan
+
+    rpn = setup.ranks_per_node or min(world, 8)
+    layout = plan(world, setup.tp, setup.sdp, rpn)
+    knobs = knobs_of(setup)
+    units, root = list(shape.unit_numels[1:]), shape.unit_numels[0]
+    print(f"across nodes ({world // rpn} nodes of {rpn} ranks, accumulation {setup.accum}):")
+    print(report(layout, units, knobs, args.link_gbps, root_numel=root))
+    for name, nbytes in extra_state_bytes(layout, sum(shape.unit_numels), knobs).items():
+        print(f"  + {name}: {nbytes / 2**30:.2f} GiB per rank (in the estimate below)")
+
+
+def knobs_of(setup: Any) -> Knobs:
+    """The cross-node knobs of an estimate's Setup."""
+    return Knobs(
+        accum=setup.accum,
+        compute_bytes=2 if setup.precision != "fp32" else 4,
+        node_secondary_shard=setup.node_secondary_shard,
+        defer_cross_node_reduce=setup.defer_cross_node_reduce,
+        quantize_weights=setup.quantize_cross_node,
+        quantize_gradients=setup.quantize_cross_node,
+    )

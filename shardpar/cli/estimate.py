@@ -113,6 +113,7 @@ class Setup:
     ranks_per_node: int | None = None
     node_secondary_shard: bool = False
     defer_cross_node_reduce: bool = False
+    quantize_cross_node: bool = False
     accum: int = 1
 
     def __post_init__(self) -> None:
@@ -349,12 +350,7 @@ def _cross_node_states(shape: ModelShape, setup: Setup) -> dict[str, int]:
     from shardpar.topology import plan
 
     world = setup.world or setup.sdp * setup.tp
-    knobs = cross_node.Knobs(
-        accum=setup.accum,
-        compute_bytes=DTYPE_BYTES[setup.precision],
-        node_secondary_shard=setup.node_secondary_shard,
-        defer_cross_node_reduce=setup.defer_cross_node_reduce,
-    )
+    knobs = cross_node.knobs_of(setup)
     layout = plan(world, setup.tp, setup.sdp, min(setup.ranks_per_node, world))
     return cross_node.extra_state_bytes(layout, sum(shape.unit_numels), knobs)
 

@@ -86,6 +86,7 @@ def estimate(args: argparse.Namespace) -> int:
         shard_optimizer_state=args.shard_optimizer_state, world=world, accum=args.accum,
         ranks_per_node=args.ranks_per_node or (min(world, 8) if args.link_gbps is not None else None),
         node_secondary_shard=args.node_secondary_shard, defer_cross_node_reduce=args.defer_cross_node_reduce,
+        quantize_cross_node=args.quantize_cross_node,
     )  # fmt: skip
     sos = ", shard_optimizer_state" if args.shard_optimizer_state else ""
     print(f"{shape.name}: {shape.num_params:,} parameters, {shape.num_layers} layers, hidden {shape.hidden}; "
@@ -94,30 +95,13 @@ def estimate(args: argparse.Namespace) -> int:
         print("  (CPU: RSS with MALLOC_MMAP_THRESHOLD_=1048576, freed blocks going back to the OS; with glibc's "
               "defaults its heap keeps more, +11 to +32 % measured at 162M: docs/performance.md, Memory)")  # fmt: skip
     if args.link_gbps is not None:
-        _cross_node(args, shape, setup, world)
+        from shardpar.cli.cross_node import print_estimate
+
+        print_estimate(args, shape, setup, world)
     if args.sdp:
         print(est.format_estimate(est.estimate(shape, setup)))
         return 0
     return _recommend(est, shape, setup, world)
-
-
-def _cross_node(args: argparse.Namespace, shape: Any, setup: Any, world: int) -> None:
-    from shardpar.cli import cross_node
-    from shardpar.topology import plan
-
-    rpn = args.ranks_per_node or min(world, 8)
-    layout = plan(world, setup.tp, setup.sdp, rpn)
-    knobs = cross_node.Knobs(
-        accum=args.accum,
-        compute_bytes=2 if args.precision != "fp32" else 4,
-        node_secondary_shard=args.node_secondary_shard,
-        defer_cross_node_reduce=args.defer_cross_node_reduce,
-    )
-    units, root = list(shape.unit_numels[1:]), shape.unit_numels[0]
-    print(f"across nodes ({world // rpn} nodes of {rpn} ranks, accumulation {args.accum}):")
-    print(cross_node.report(layout, units, knobs, args.link_gbps, root_numel=root))
-    for name, nbytes in cross_node.extra_state_bytes(layout, sum(shape.unit_numels), knobs).items():
-        print(f"  + {name}: {nbytes / 2**30:.2f} GiB per rank (in the estimate below)")
 
 
 def _recommend(est: Any, shape: Any, setup: Any, world: int) -> int:
@@ -369,6 +353,7 @@ def _estimate_parser(sub: Any) -> None:
     e.add_argument("--ranks-per-node", type=_COUNT, help="with --link-gbps (default: the instance's GPUs)")
     e.add_argument("--node-secondary-shard", action="store_true", help="the sdp_node_secondary_shard knob")
     e.add_argument("--defer-cross-node-reduce", action="store_true", help="the sdp_defer_cross_node_reduce knob")
+    e.add_argument("--quantize-cross-node", action="store_true", help="both sdp_quantize_cross_node_* knobs")
     e.add_argument("--reference", action="store_true", help="check reference 003's configurations")
     e.set_defaults(func=estimate)
 

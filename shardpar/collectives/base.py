@@ -10,6 +10,7 @@ Shapes (n = group.size):
     reduce_scatter:  input [n*k]      -> output [k]     (rank i gets the reduced block i)
     reduce_scatter_spans: the same, input given as spans end to end (tensors, or counts of zeros)
     all_reduce:      tensor [k]       -> tensor [k]     (in place)
+    all_to_all:      input [n*k]      -> output [n*k]   (block j of input to rank j; block i of output from rank i)
     broadcast:       tensor [k]       -> tensor [k]     (in place, from global rank `src`)
 """
 
@@ -120,6 +121,10 @@ class Engine(Protocol):
     ) -> Work: ...
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False) -> Work: ...
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False) -> Work:
+        """Block j of `input` [n*k] to group member j; block i of `output` [n*k] from member i."""
+        ...
 
     def barrier(self, group: Group) -> None: ...
 

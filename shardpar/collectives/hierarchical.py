@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardpar.collectives import quantize
 from shardpar.collectives.base import CompletedWork, Engine, Group, Work, all_gather_after, check_gather_shapes
 
 # (staged, blocks, after, then): gather `blocks` inside the node into `staged` once `after` has
@@ -109,12 +110,14 @@ def hierarchical_all_gather(
     on_scratch: Callable[[int], None] | None = None,
     blocks: torch.Tensor | None = None,
     blocks_ready: bool = False,
+    quantize: bool = False,
 ) -> Work:
     """AllGather over `sharding` as cross-node exchange then intra-node gather ([Note: hierarchical
     chaining]). `steps` defaults to plain engine calls over `node` and `cross`; `on_scratch(+/-n)`
     hears of the scratch elements held. `blocks`: the caller's buffer for the cross-node blocks (its
     node-local secondary shard, [Note: secondary shard]), kept after the gather; with `blocks_ready` it
-    already holds them, and only the node step runs -- nothing crosses nodes."""
+    already holds them, and only the node step runs -- nothing crosses nodes. `quantize`: the cross step
+    sends int8 blocks ([Note: cross-node quantization], quantize.py)."""
     check_gather_shapes(output, input, sharding, "all_gather")
     if node.size * cross.size != sharding.size:
         raise AssertionError(f"node {node.ranks} x cross {cross.ranks} do not tile sharding {sharding.ranks}")
@@ -134,9 +137,32 @@ def hierarchical_all_gather(
             # staged is [local][node][shard]; the sharding group's order is [node][local][shard].
             output.view(num_nodes, num_local, shard).copy_(staged.view(num_local, num_nodes, shard).transpose(0, 1))
 
-        crossed: Work = CompletedWork() if blocks_ready else steps.cross(blocks, input)
+        crossed: Work = CompletedWork()
+        if quantize and not blocks_ready:
+            crossed = _quantized_cross(engine, blocks, input, cross)
+        elif not blocks_ready:
+            crossed = steps.cross(blocks, input)
         last = steps.node(staged, blocks, crossed, permute)
         work = HierarchicalGatherWork(last, on_scratch, scratch)
     if not async_op:
         work.wait()
     return work
+
+
+def _quantized_cross(engine: Engine, blocks: torch.Tensor, input: torch.Tensor, cross: Group) -> Work:
+    """Step 1 with int8 on the wire: every rank's shard quantized, gathered, and dequantized -- this
+    rank's own too, so every rank computes with the same values ([Note: cross-node quantization])."""
+    shard, num_nodes = input.numel(), cross.size
+    q, scales = quantize.quantize(input.view(1, -1))
+    q_all = torch.empty(num_nodes * q.numel(), dtype=torch.int8, device=input.device)
+    scales_all = torch.empty(num_nodes * scales.numel(), dtype=torch.float32, device=input.device)
+    works = [
+        engine.all_gather(q_all, q.view(-1), cross, async_op=True),
+        engine.all_gather(scales_all, scales.view(-1), cross, async_op=True),
+    ]
+
+    def finish() -> None:
+        values = quantize.dequantize(q_all.view(num_nodes, -1), scales_all.view(num_nodes, -1), shard, blocks.dtype)
+        blocks.view(num_nodes, shard).copy_(values)
+
+    return quantize.FinishingWork(works, finish)

@@ -334,13 +334,29 @@ class NativeEngine:
             if op is ReduceOp.AVG:
                 output.div_(n)
 
+        return self._all_to_all(received, input, group, async_op, finish, op="reduce_scatter")
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False) -> Work:
+        if output.numel() != input.numel() or input.numel() % group.size:
+            raise ValueError(
+                f"all_to_all: input {input.numel()} and output {output.numel()} elements must be equal and a "
+                f"multiple of the group size {group.size}"
+            )
+        if group.size == 1:
+            output.copy_(input)
+            return CompletedWork()
+        return self._all_to_all(output, input, group, async_op, None, op="all_to_all")
+
+    def _all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool, finish: Any, *, op: str
+    ) -> Work:
         return self._run(
             group,
-            lambda: dist.all_to_all_single(received, input.contiguous(), group=group.handle, async_op=True),
+            lambda: dist.all_to_all_single(output, input.contiguous(), group=group.handle, async_op=True),
             async_op,
             finish,
             on=output,
-            op="reduce_scatter",
+            op=op,
         )
 
     def reduce_scatter_spans(

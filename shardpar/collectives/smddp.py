@@ -292,6 +292,11 @@ class SmddpEngine:
             return self._submit(lambda: self._comm(group.ranks).broadcast(tensor, index), async_op, "broadcast", group)
         return self.native.broadcast(tensor, src, group, async_op=async_op)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False) -> Work:
+        """Native: only cross-node hops use it ([Note: cross-node quantization])."""
+        self.routes[("all_to_all", "native")] += 1  # its route, not a fallback: no shm AllToAll exists
+        return self.native.all_to_all(output, input, group, async_op=async_op)
+
     def barrier(self, group: Group) -> None:
         if group.size == 1:
             return

@@ -4,6 +4,7 @@ Bytes counted per call (the tensor the caller hands over, whatever the algorithm
 
     all_gather      output bytes (the gathered tensor)     reduce_scatter   input bytes
     all_reduce      tensor bytes                           broadcast        tensor bytes
+    all_to_all      input bytes
 
 Records are grouped into steps: `begin_step()` closes the current step, so a test can pin the exact
 schedule of one training step. Only a window of the last `max_steps` closed steps is kept (the optimizer
@@ -191,6 +192,10 @@ class CountingEngine:
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False) -> Work:
         self._rec("broadcast", group, tensor, async_op)
         return self.inner.broadcast(tensor, src, group, async_op=async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False) -> Work:
+        self._rec("all_to_all", group, input, async_op)
+        return self.inner.all_to_all(output, input, group, async_op=async_op)
 
     def barrier(self, group: Group) -> None:
         self.inner.barrier(group)

@@ -180,7 +180,13 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
         if node.size == 1:  # one member a node: the flat ReduceScatter is the cross hop already
             return None
         return TwoHopReduce(
-            self.engine, node, cross, self.policy.reduce, self.device, defer=config.sdp_defer_cross_node_reduce
+            self.engine,
+            node,
+            cross,
+            self.policy.reduce,
+            self.device,
+            defer=config.sdp_defer_cross_node_reduce,
+            quantize=config.sdp_quantize_cross_node_gradients,
         )
 
     def _build_units(self, plans: list[UnitPlan], materialize: Callable[[nn.Parameter], torch.Tensor]) -> list[Unit]:
@@ -200,6 +206,7 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
             cross=cross if hierarchical else None,
             on_live_change=self.live,
             secondary=self.shardpar_config.sdp_node_secondary_shard,
+            quantize=self.shardpar_config.sdp_quantize_cross_node_weights,
         )
         units: list[Unit] = []
         for up in plans:

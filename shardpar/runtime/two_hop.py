@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardpar.collectives import CompletedWork, Engine, Group, ReduceOp, Span, Work
+from shardpar.collectives import quantize as q8
 
 
 @dataclass
@@ -69,7 +70,10 @@ class TwoHopReduce:
     reduce_dtype: torch.dtype
     device: torch.device
     defer: bool  # sdp_defer_cross_node_reduce
+    quantize: bool = False  # sdp_quantize_cross_node_gradients ([Note: cross-node quantization])
     _pending: _NodeHop | None = None
+    # sdp_quantize_cross_node_gradients: what quantization dropped from each bucket's node sums, [N, width]
+    _residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     _partials: dict[int, torch.Tensor] = field(default_factory=dict)  # bucket -> fp32 [N * width]
     _boundary: bool = True
     _scale: float = 1.0
@@ -141,5 +145,32 @@ class TwoHopReduce:
     def _send(self, bucket: int, node_sums: torch.Tensor, *, factor: float) -> CrossInflight:
         width = node_sums.numel() // self.num_nodes
         out = torch.empty(width, dtype=self.reduce_dtype, device=self.device)
+        if self.quantize:
+            return CrossInflight(bucket, self._send_quantized(bucket, node_sums, out), out, factor)
         work = self.engine.reduce_scatter(out, node_sums, self.cross, op=ReduceOp.SUM, async_op=True)
         return CrossInflight(bucket, work, out, factor)
+
+    @property
+    def residual_numel(self) -> int:
+        return sum(r.numel() for r in self._residuals.values())
+
+    def _send_quantized(self, bucket: int, node_sums: torch.Tensor, out: torch.Tensor) -> Work:
+        """The cross hop as an AllToAll of int8 node blocks with error feedback ([Note: cross-node
+        quantization]); `out` gets the fp32 sum of the dequantized blocks, in node order."""
+        nodes, width = self.num_nodes, out.numel()
+        x = node_sums.view(nodes, width).to(torch.float32, copy=True)
+        residual = self._residuals.get(bucket)
+        if residual is not None:
+            x += residual
+        q, scales = q8.quantize(x)
+        self._residuals[bucket] = x.sub_(q8.dequantize(q, scales, width, torch.float32))  # x is now the error
+        q_in, scales_in = torch.empty_like(q), torch.empty_like(scales)
+        works = [
+            self.engine.all_to_all(q_in.view(-1), q.view(-1), self.cross, async_op=True),
+            self.engine.all_to_all(scales_in.view(-1), scales.view(-1), self.cross, async_op=True),
+        ]
+
+        def finish() -> None:
+            out.copy_(q8.dequantize(q_in, scales_in, width, torch.float32).sum(dim=0))
+
+        return q8.FinishingWork(works, finish)

@@ -27,6 +27,8 @@ class UnitComm:
     on_live_change: Callable[[Any, int], None] | None = None  # (unit, +/- elements)
     # sdp_node_secondary_shard: units keep their cross-node blocks for the step ([Note: secondary shard]).
     secondary: bool = False
+    # sdp_quantize_cross_node_weights: int8 on the cross step ([Note: cross-node quantization]).
+    quantize: bool = False
 
     @property
     def keeps_secondary(self) -> bool:
@@ -64,6 +66,7 @@ class UnitComm:
                 on_scratch=on_scratch,
                 blocks=blocks,
                 blocks_ready=blocks_ready,
+                quantize=self.quantize,
             )
         return self.engine.all_gather(output, shard, self.sharding, async_op=async_op)
 

@@ -16,6 +16,7 @@ from tests import models
 
 SPAN = {"sharded_data_parallel_degree": 4, "ranks_per_node": 2, "sdp_param_persistence_threshold": 10}
 ACCUM = 2
+BOTH = {"sdp_defer_cross_node_reduce": True, "sdp_node_secondary_shard": True}
 
 
 def _one_step(knobs: dict[str, Any]) -> dict[str, Any]:
@@ -68,8 +69,9 @@ def test_spanning_group_sends_its_minimum_across_nodes(ranks) -> None:
     cases = [
         ("two-hop", {**SPAN}),
         ("boundary", {**SPAN, "sdp_defer_cross_node_reduce": True}),
-        ("boundary+secondary", {**SPAN, "sdp_defer_cross_node_reduce": True, "sdp_node_secondary_shard": True}),
+        ("boundary+secondary", {**SPAN, **BOTH}),
         ("node-local", {**SPAN, "sharded_data_parallel_degree": 2}),
+        ("int8", {**SPAN, **BOTH, "sdp_quantize_cross_node_weights": True, "sdp_quantize_cross_node_gradients": True}),
     ]
     per_case = {name: ranks.run(4, _one_step, knobs) for name, knobs in cases}
     two_hop = per_case["two-hop"][0]
@@ -92,3 +94,9 @@ def test_spanning_group_sends_its_minimum_across_nodes(ranks) -> None:
     # with both knobs the spanning group sends what the node-local layout's replica AllReduce does
     assert totals["boundary+secondary"] <= totals["node-local"] * 1.01, totals
     assert totals["two-hop"] > totals["boundary"] > totals["boundary+secondary"], totals
+    # int8 blocks and their scales: about a quarter of the fp32 bytes (plus padding to whole blocks)
+    int8 = per_case["int8"][0]
+    assert ("reduce_scatter", "sharding_cross") not in int8["calls"] and int8["calls"][
+        ("all_to_all", "sharding_cross")
+    ] == 2
+    assert totals["int8"] <= 0.3 * totals["boundary+secondary"], totals
