@@ -38,7 +38,14 @@ CASES: dict[int, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {
         ("neox", {**SHARD, **SPAN}, {"accum": 2}),
         (
             "neox",
-            {**SHARD, **SPAN, "sdp_defer_cross_node_reduce": True, "sdp_node_secondary_shard": True},
+            # the native engine: buckets packed [local][node] (smddp reads the gradients in place)
+            {
+                **SHARD,
+                **SPAN,
+                "sdp_defer_cross_node_reduce": True,
+                "sdp_node_secondary_shard": True,
+                "ddp_dist_backend": "nccl",
+            },
             {"accum": 2},
         ),
     ],
