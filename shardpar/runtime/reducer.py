@@ -77,6 +77,20 @@ AllReduces over 3+ replicas (gloo, NCCL) may round differently. With sdp > 1 the
 need the ReduceScatter's result (and, under accumulation, the main grad added to it) first, so it
 stays at the boundary.
 
+[Note: replication after the ReduceScatter]
+At sdp > 1 the replication AllReduce needs a bucket's ReduceScatter result (and, under accumulation,
+the main grad added to it), so it cannot ride in the bucket. In the backward that ends a window it
+follows each bucket's ReduceScatter instead: when bucket b+1 is issued -- a fixed point in every
+rank's sequence of collectives -- bucket b's ReduceScatter is waited for (issued a bucket of backward
+ago, normally done), its units fold their main grads into its output (`Unit.fold_main_grad`: what
+`finish_accumulation` would AllReduce, rounded once) and its AllReduce is issued, overlapping the rest
+of backward; the last bucket's follows at `drain`. Across nodes this AllReduce is MiCS's only traffic
+when the sharding group is a node, so hiding it behind backward is most of the step there. With the
+default bucket (5e8 elements: one bucket for most models) it still runs at the end of backward, as
+before. The values are the same fold and AllReduce as at the boundary: bit for bit with 2 replicas or
+the smddp engine; a ring AllReduce over 3+ replicas chunks a bucket differently from a unit and may
+round differently ([Note: replication in the bucket]).
+
 With shard_optimizer_state the bucket of a boundary backward at sdp 1 carries a ReduceScatter over the
 replication group instead of the AllReduce ([Note: replica-sharded main], replica_shard.py). Row j of
 the reduced bucket must then be piece j of every unit, so that backward packs the bucket
@@ -174,6 +188,9 @@ class GradReducer:
     _inflight: list[_Inflight] = field(default_factory=list)
     # Set by begin_backward: fold and AllReduce each bucket as it is issued ([Note: replication in the bucket]).
     _replicate_scale: float | None = None
+    # sdp > 1, a boundary backward: fold and AllReduce each bucket after its ReduceScatter ([Note: replication
+    # after the ReduceScatter]).
+    _replicate_after: float | None = None
     # Rows per shard of this backward's buckets: the replicas where the bucket carries their ReduceScatter.
     _split: int = 1
     # A sharding group spanning nodes, sdp_hierarchical_reduce_scatter: [Note: two-hop ReduceScatter].
@@ -208,6 +225,9 @@ class GradReducer:
         # shard_optimizer_state: the units' pieces are per replica ([Note: replica-sharded main])
         owned = fold and all(u.replica is not None for p in self.plans for u in p.units)
         self._split = self.replication.size if owned else 1
+        after = boundary and self.sharding.size > 1 and self.replication.size > 1 and self.two_hop is None
+        after = after and not any(u.replica is not None for p in self.plans for u in p.units)
+        self._replicate_after = scale if after else None
         if self.two_hop is not None:
             self.two_hop.begin_backward(boundary=boundary, scale=scale)
         self._clear()
@@ -215,7 +235,7 @@ class GradReducer:
     @property
     def replicates(self) -> bool:
         """Whether this backward's buckets carry the replication AllReduce (then the boundary skips it)."""
-        return self._replicate_scale is not None
+        return self._replicate_scale is not None or self._replicate_after is not None
 
     def add(self, unit: Unit) -> None:
         """Take the unit's grads (freeing them) into its bucket; issue every bucket that is complete
@@ -273,6 +293,7 @@ class GradReducer:
             issued = self._issue_in_place(b)
             if issued is not None:
                 self._inflight.append(issued)
+                self._replicate_reduced(keep_last=True)
             return
         bucket = self._buffers[b]
         if bucket is None:
@@ -295,6 +316,22 @@ class GradReducer:
             out = torch.empty(plan.width, dtype=self.reduce_dtype, device=self.device)
             work = self.engine.reduce_scatter(out, bucket.reshape(-1), self.sharding, op=ReduceOp.AVG, async_op=True)
         self._inflight.append(_Inflight(work, plan, out, replicated=self._replicate_scale is not None))
+        self._replicate_reduced(keep_last=True)
+
+    def _replicate_reduced(self, *, keep_last: bool) -> None:
+        """[Note: replication after the ReduceScatter]: the replication AllReduce of every issued bucket
+        but (with `keep_last`) the one just issued, each once its ReduceScatter is done."""
+        scale = self._replicate_after
+        if scale is None:
+            return
+        for item in self._inflight[: -1 if keep_last else None]:
+            if item.replicated or item.out is None:
+                continue
+            item.work.wait()
+            for unit, piece in item.plan.pieces(item.out):
+                unit.fold_main_grad(piece, scale=scale)
+            item.work = self.engine.all_reduce(item.out, self.replication, op=ReduceOp.AVG, async_op=True)
+            item.replicated, item.retired = True, False
 
     def _issue_replica_pieces(self, plan: BucketPlan, bucket: torch.Tensor) -> None:
         """sdp 1, shard_optimizer_state, a boundary backward: fold each unit's [replicas, w / replicas]
@@ -345,6 +382,7 @@ class GradReducer:
             raise AssertionError(f"backward ended with units not added to the reducer: {missing}")
         if self.two_hop is not None:
             self._take_cross(self.two_hop.finish())
+        self._replicate_reduced(keep_last=False)
         for item in self._inflight:
             item.work.wait()
             if item.out is None:

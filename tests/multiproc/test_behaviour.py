@@ -13,7 +13,6 @@ from tests.multiproc import behaviour
 def test_exact_schedule_with_accumulation(ranks) -> None:
     res = ranks.run(4, behaviour.schedule_case)[0]
     ub = res["unit_bytes"]
-    blocks = ["blocks.0", "blocks.1", "blocks.2"]
     ag = {n: ("all_gather", "sharding", ub[n]) for n in ub}
     rs = {n: ("reduce_scatter", "sharding", ub[n]) for n in ub}
     fwd = [ag["<root>"], ag["blocks.0"], ag["blocks.1"], ag["blocks.2"]]
@@ -21,9 +20,14 @@ def test_exact_schedule_with_accumulation(ranks) -> None:
     # unit (depth 1) before its own ReduceScatter is issued.
     bwd = [ag["blocks.2"], ag["blocks.1"], rs["blocks.2"], ag["blocks.0"], rs["blocks.1"], rs["blocks.0"], rs["<root>"]]
     assert res["micro"][0] == fwd + bwd, "first micro-step: no replication AllReduce"
-    boundary = [("all_reduce", "replication", ub[n] // 2) for n in ["<root>", *blocks]]  # the shard
-    boundary.append(("all_reduce", "rdp", res["persistent"]))
-    assert res["micro"][1] == fwd + bwd + boundary, "last micro-step: replication + persistent AllReduce"
+    # The window's last backward: each bucket (here one unit each) is AllReduced over the replicas as
+    # soon as the next bucket's ReduceScatter is issued, overlapping backward ([Note: replication after
+    # the ReduceScatter], reducer.py); the last one's at the end; then the persistent parameters'.
+    ar = {n: ("all_reduce", "replication", ub[n] // 2) for n in ub}  # the shard
+    last = [ag["blocks.2"], ag["blocks.1"], rs["blocks.2"], ag["blocks.0"], rs["blocks.1"], ar["blocks.2"]]
+    last += [rs["blocks.0"], ar["blocks.1"], rs["<root>"], ar["blocks.0"], ar["<root>"]]
+    last.append(("all_reduce", "rdp", res["persistent"]))
+    assert res["micro"][1] == fwd + last, "last micro-step: replication + persistent AllReduce"
     assert res["step"] == [("all_reduce", "sharding", 4)], "clipping: one scalar collective"
 
 
