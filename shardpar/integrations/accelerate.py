@@ -40,6 +40,7 @@ What each accelerate call does with a shardpar model:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -53,6 +54,7 @@ from torch import nn
 
 import shardpar as smp
 from shardpar.config import Config
+from shardpar.integrations.accelerate_launch import check_before_accelerate
 from shardpar.integrations.accelerated import (
     ShardparOptimizer,
     distributed_optimizer,
@@ -68,6 +70,7 @@ from shardpar.runtime.model import DistributedModel
 SHARDPAR_DIR = "shardpar"  # the partial checkpoint inside a save_state directory or a Trainer checkpoint
 STATE_TAG = "state"
 
+_ACCELERATOR_INIT = inspect.signature(accelerate.Accelerator.__init__)
 _FOREIGN_SHARDING = {
     DistributedType.FSDP: "fsdp_plugin / FSDP",
     DistributedType.DEEPSPEED: "deepspeed_plugin / DeepSpeed",
@@ -85,8 +88,10 @@ class Accelerator(accelerate.Accelerator):
                 "Accelerator(shardpar_config=...) but smp.init() already ran in this process: give the shardpar "
                 "configuration once, either to smp.init or here"
             )
-        # A bad knob fails here, before accelerate starts a process group.
+        # A bad knob, a plugin or a launch shardpar cannot train with fails here, before accelerate starts a
+        # process group ([Note: process counts under accelerate launch] in accelerate_launch.py).
         config = Config.from_any(shardpar_config) if shardpar_config is not None else None
+        check_before_accelerate(_ACCELERATOR_INIT.bind_partial(None, *args, **kwargs).arguments, config)
         super().__init__(*args, **kwargs)
         self._check_backend()
         if not smp.is_initialized():
@@ -95,6 +100,8 @@ class Accelerator(accelerate.Accelerator):
             _with_precision(smp.get_config(), self.mixed_precision, initialized=True)
 
     def _check_backend(self) -> None:
+        """What accelerate decided from elsewhere (a config file, a device check_before_accelerate could
+        not foresee), checked once it has: the same refusals."""
         foreign = _FOREIGN_SHARDING.get(self.distributed_type)
         if foreign is not None or self.is_fsdp2:
             raise ValueError(
@@ -102,17 +109,12 @@ class Accelerator(accelerate.Accelerator):
                 "(and ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED): shardpar's sharded_data_parallel_degree "
                 "replaces it"
             )
-        if self.parallelism_config is not None:
-            raise ValueError(
-                "Accelerator(parallelism_config=...) is accelerate's own N-D parallelism; shardpar brings its own "
-                "(sharded_data_parallel_degree, tensor_parallel_degree): drop parallelism_config"
-            )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if self.num_processes != world:
             raise ValueError(
                 f"accelerate sees {self.num_processes} process(es) but the launcher started {world} (WORLD_SIZE): "
-                "without CUDA, accelerate runs one process per rank unless told to use the CPU; pass "
-                "Accelerator(cpu=True) (TrainingArguments(use_cpu=True) for the Trainer), as for DDP on CPUs"
+                "set ACCELERATE_USE_CPU=1 in the launch environment, or pass Accelerator(cpu=True) "
+                "(TrainingArguments(use_cpu=True) for the Trainer), as for DDP on CPUs"
             )
 
     # ---- the shardpar objects -------------------------------------------------------------------
