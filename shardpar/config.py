@@ -241,15 +241,17 @@ class Config:
     def check_world(self, world: int) -> None:
         """Rules that need the world size; raise before any process group is created."""
         tp, sdp = self.tensor_parallel_degree, self.sharded_data_parallel_degree
+        # A world of one is most often a launch that started one process: say how to start N.
+        alone = _ALONE if world == 1 else ""
         if world % tp:
             raise ValueError(
-                f"tensor_parallel_degree={tp} must divide the world size {world}; try one of {_divisors(world)}"
+                f"tensor_parallel_degree={tp} must divide the world size {world}; try one of {_divisors(world)}{alone}"
             )
         rdp = world // tp
         if rdp % sdp:
             raise ValueError(
                 f"sharded_data_parallel_degree={sdp} must divide the reduced data-parallel degree {rdp} "
-                f"(world {world} / tensor_parallel_degree {tp}); try one of {_divisors(rdp)}"
+                f"(world {world} / tensor_parallel_degree {tp}); try one of {_divisors(rdp)}{alone}"
             )
         rpn = self.ranks_per_node
         if rpn is not None and world % rpn:
@@ -257,6 +259,12 @@ class Config:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+_ALONE = (
+    ". This process runs alone (no launcher set WORLD_SIZE): start N ranks with `torchrun --nproc-per-node N "
+    "train.py`; under accelerate on CPUs `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N "
+    "train.py` (`accelerate launch --cpu` starts one process)"
+)
 
 
 def _divisors(n: int) -> str:

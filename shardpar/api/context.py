@@ -197,16 +197,29 @@ def _local_rank_and_size(rank: int, world: int) -> tuple[int, int]:
         ) from None
 
 
+# The launchers' world size and rank: torchrun's, then MPI's, in accelerate's order -- `accelerate launch
+# --cpu --mpirun_hostfile H` starts N processes with only these (integrations/accelerate_launch.py), and
+# smp.init may run before accelerate copies them to WORLD_SIZE / RANK.
+_LAUNCHER_VARS = (
+    ("WORLD_SIZE", "RANK"),
+    ("PMI_SIZE", "PMI_RANK"),
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+    ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"),
+)
+
+
 def _world_and_rank() -> tuple[int, int]:
-    if "WORLD_SIZE" not in os.environ:
+    found = next(((w, r) for w, r in _LAUNCHER_VARS if w in os.environ), None)
+    if found is None:
         if dist.is_initialized():
             return dist.get_world_size(), dist.get_rank()
         return 1, 0
+    world_var, rank_var = found
     try:
-        return int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
+        return int(os.environ[world_var]), int(os.environ.get(rank_var, "0"))
     except ValueError:
         raise ValueError(
-            f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} / RANK={os.environ.get('RANK')!r} are not integers; "
+            f"{world_var}={os.environ.get(world_var)!r} / {rank_var}={os.environ.get(rank_var)!r} are not integers; "
             "launch with torchrun or unset them to run as a single process"
         ) from None
 

@@ -27,8 +27,9 @@ What each accelerate call does with a shardpar model:
 - `backward(loss)`: `model.backward(loss / gradient_accumulation_steps)`; the backward ends shardpar's
   accumulation window exactly where accelerate would sync DDP (`sync_gradients`, outside `no_sync`),
   so the replication AllReduce runs there only.
-- `clip_grad_norm_(model.parameters(), max_norm)`: the global norm of the sharded gradients (one
-  AllReduce) and the clip (`DistributedOptimizer.clip_master_grads`).
+- clipping is accelerate's: `optimizer.step()` does not clip (the `sdp_gradient_clipping` knob is the
+  SMP API's); `clip_grad_norm_(model.parameters(), max_norm)` is torch's on the sharded gradients (the
+  global norm, one collective; fp16: `DistributedOptimizer.clip_master_grads`, the loss scale divided out).
 - `prepare(data loader)`, `gather`, `gather_for_metrics`: split over / gathered from the
   reduced-data-parallel ranks (the ranks of a TP group read one batch).
 - `save_state` / `load_state`: accelerate's files for everything else, plus a shardpar partial
@@ -39,6 +40,7 @@ What each accelerate call does with a shardpar model:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -52,12 +54,14 @@ from torch import nn
 
 import shardpar as smp
 from shardpar.config import Config
+from shardpar.integrations.accelerate_launch import check_before_accelerate
 from shardpar.integrations.accelerated import (
     ShardparOptimizer,
     distributed_optimizer,
     optimizes,
     owned,
     shares_parameters,
+    take_clipping,
 )
 from shardpar.integrations.hf_export import save_full_weights
 from shardpar.optim.optimizer import DistributedOptimizer
@@ -66,6 +70,7 @@ from shardpar.runtime.model import DistributedModel
 SHARDPAR_DIR = "shardpar"  # the partial checkpoint inside a save_state directory or a Trainer checkpoint
 STATE_TAG = "state"
 
+_ACCELERATOR_INIT = inspect.signature(accelerate.Accelerator.__init__)
 _FOREIGN_SHARDING = {
     DistributedType.FSDP: "fsdp_plugin / FSDP",
     DistributedType.DEEPSPEED: "deepspeed_plugin / DeepSpeed",
@@ -83,10 +88,11 @@ class Accelerator(accelerate.Accelerator):
                 "Accelerator(shardpar_config=...) but smp.init() already ran in this process: give the shardpar "
                 "configuration once, either to smp.init or here"
             )
-        # A bad knob fails here, before accelerate starts a process group.
+        # A bad knob, a plugin or a launch shardpar cannot train with fails here, before accelerate starts a
+        # process group ([Note: process counts under accelerate launch] in accelerate_launch.py).
         config = Config.from_any(shardpar_config) if shardpar_config is not None else None
+        check_before_accelerate(_ACCELERATOR_INIT.bind_partial(None, *args, **kwargs).arguments, config)
         super().__init__(*args, **kwargs)
-        self._deferred_sync = 0  # depth of no_sync(model) for a DistributedModel
         self._check_backend()
         if not smp.is_initialized():
             smp.init(_with_precision(config or Config.from_any(None), self.mixed_precision, initialized=False))
@@ -94,6 +100,8 @@ class Accelerator(accelerate.Accelerator):
             _with_precision(smp.get_config(), self.mixed_precision, initialized=True)
 
     def _check_backend(self) -> None:
+        """What accelerate decided from elsewhere (a config file, a device check_before_accelerate could
+        not foresee), checked once it has: the same refusals."""
         foreign = _FOREIGN_SHARDING.get(self.distributed_type)
         if foreign is not None or self.is_fsdp2:
             raise ValueError(
@@ -101,17 +109,12 @@ class Accelerator(accelerate.Accelerator):
                 "(and ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED): shardpar's sharded_data_parallel_degree "
                 "replaces it"
             )
-        if self.parallelism_config is not None:
-            raise ValueError(
-                "Accelerator(parallelism_config=...) is accelerate's own N-D parallelism; shardpar brings its own "
-                "(sharded_data_parallel_degree, tensor_parallel_degree): drop parallelism_config"
-            )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if self.num_processes != world:
             raise ValueError(
                 f"accelerate sees {self.num_processes} process(es) but the launcher started {world} (WORLD_SIZE): "
-                "without CUDA, accelerate runs one process per rank unless told to use the CPU; pass "
-                "Accelerator(cpu=True) (TrainingArguments(use_cpu=True) for the Trainer), as for DDP on CPUs"
+                "set ACCELERATE_USE_CPU=1 in the launch environment, or pass Accelerator(cpu=True) "
+                "(TrainingArguments(use_cpu=True) for the Trainer), as for DDP on CPUs"
             )
 
     # ---- the shardpar objects -------------------------------------------------------------------
@@ -176,6 +179,7 @@ class Accelerator(accelerate.Accelerator):
             if model is None or not optimizes(optimizer, model):
                 return super().prepare_optimizer(optimizer, device_placement=device_placement)
             optimizer = distributed_optimizer(optimizer, model)
+        take_clipping(optimizer)
         wrapped = ShardparOptimizer(optimizer)
         self._optimizers.append(wrapped)
         return wrapped
@@ -212,17 +216,12 @@ class Accelerator(accelerate.Accelerator):
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        """For a DistributedModel: backwards inside do not end the accumulation window (no replication
-        AllReduce); the first one outside does."""
-        if not isinstance(model, DistributedModel):
-            with super().no_sync(model):
-                yield
-            return
-        self._deferred_sync += 1
-        try:
+        """For a DistributedModel: its own `no_sync()`, DDP's meaning -- backwards inside do not end the
+        accumulation window (no replication AllReduce); the first one outside does. `accumulate(model)`
+        comes here too, so a loop that calls `loss.backward()` itself accumulates as under DDP."""
+        context = model.no_sync() if isinstance(model, DistributedModel) else super().no_sync(model)
+        with context:
             yield
-        finally:
-            self._deferred_sync -= 1
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         model = self.shardpar_model()
@@ -234,9 +233,10 @@ class Accelerator(accelerate.Accelerator):
                 f"accelerator.backward(loss, {', '.join(sorted(kwargs))}=...): a shardpar model's backward takes the "
                 "loss only"
             )
-        # accelerate's boundary becomes shardpar's: this backward ends the window iff accelerate would sync.
+        # accelerate's boundary becomes shardpar's: this backward ends the window iff accelerate would sync
+        # (inside no_sync the window itself never ends).
         done = model.window.num_done
-        ends = self.sync_gradients and not self._deferred_sync
+        ends = self.sync_gradients
         model.set_backward_passes_per_step(done + 1 if ends else max(model.backward_passes_per_step, done + 2))
         model.backward(loss / self.gradient_accumulation_steps)
 
@@ -245,10 +245,17 @@ class Accelerator(accelerate.Accelerator):
         model = self.shardpar_model()
         if model is None or not owned(params, model):
             return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        if float(norm_type) != 2.0:
-            raise ValueError(f"clip_grad_norm_(norm_type={norm_type!r}): a shardpar model clips by the L2 norm (2)")
         opt = self._optimizer_of(model, "clip_grad_norm_")
-        if math.isinf(max_norm):  # the norm only (the Trainer's way of reading it): no clip
+        if model.loss_scale == 1.0:
+            # accelerate's own call under DDP, on the parameters as the model shows them (their .grad are the
+            # sharded gradients; the norm is one collective): the one-process norm and clip, and step() does
+            # not clip again ([Note: a user's own clip] in runtime/user_params.py).
+            users = [model.user_params.user_of.get(id(p), p) for p in params]
+            return torch.nn.utils.clip_grad_norm_(users, max_norm, norm_type=norm_type)
+        # fp16: the gradients carry the loss scale, which shardpar divides out (accelerate's unscale_gradients).
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type!r}) under fp16: shardpar clips by the L2 norm (2)")
+        if math.isinf(max_norm):  # the norm only: no clip
             return (opt.grad_norm_squared().sqrt() / model.loss_scale)[0]
         return opt.clip_master_grads(max_norm)
 

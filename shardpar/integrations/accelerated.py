@@ -11,12 +11,15 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 import shardpar as smp
+from shardpar.config import Config
+from shardpar.optim.clipping import ACCELERATE, KNOB
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
 
 # fp16: torch.amp.GradScaler's defaults (what transformers' and accelerate's fp16 use), for shardpar's
 # dynamic loss scaler (its own default starts at 2**32, as SMP v1 and DeepSpeed do).
 GRAD_SCALER_ARGS: dict[str, Any] = {"init_scale": 2.0**16, "scale_factor": 2.0, "scale_window": 2000}
+DEFAULT_CLIPPING = Config().sdp_gradient_clipping
 
 
 def distributed_optimizer(optimizer: torch.optim.Optimizer, model: DistributedModel) -> DistributedOptimizer:
@@ -26,6 +29,23 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, model: DistributedMo
             optimizer, dynamic_loss_scale=True, dynamic_loss_args=GRAD_SCALER_ARGS, model=model
         )
     return smp.DistributedOptimizer(optimizer, model=model)
+
+
+def take_clipping(optimizer: DistributedOptimizer) -> None:
+    """Under accelerate the clipping is accelerate's: only where the loop calls `clip_grad_norm_`, none inside
+    `optimizer.step()` ([Note: clipping belongs to the user's front end], optim/clipping.py). The Trainer's
+    (max_grad_norm) stays; a sdp_gradient_clipping other than its default or 0 asked for something else."""
+    clipping = optimizer.clipping
+    if clipping.owner != KNOB:
+        return
+    if clipping.max_norm not in (0.0, DEFAULT_CLIPPING):
+        raise ValueError(
+            f"sdp_gradient_clipping={clipping.max_norm:g} with shardpar's accelerate Accelerator: under accelerate "
+            "the loop clips where it calls accelerator.clip_grad_norm_, as with DDP, and optimizer.step() does not "
+            f"clip. Drop the knob and call accelerator.clip_grad_norm_(model.parameters(), {clipping.max_norm:g}) "
+            "when accelerator.sync_gradients"
+        )
+    optimizer.set_clipping(0.0, ACCELERATE)
 
 
 class ShardparOptimizer(AcceleratedOptimizer):

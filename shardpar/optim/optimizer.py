@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardpar.optim.clipping import KNOB, Clipping
 from shardpar.optim.grad_norm import grad_norm_squared, local_grad_norm_squared, reduce_grad_norm_squared
 from shardpar.optim.kinds import check_optimizer
 from shardpar.optim.loss_scaling import LossScaler, ScalerResume, StaticLossScaler, plan_scaler_resume
@@ -40,6 +41,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         model: DistributedModel,
         *,
         clip_norm: float,
+        clip_owner: str = KNOB,
         loss_scaler: LossScaler | None = None,
         tp_splits: Mapping[str, TPSplit] | None = None,
         max_nonfinite_steps: int | None = None,
@@ -47,7 +49,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """`tp_splits`: the model's TP-split parameters by name (tensor_parallel.tp_split_table), passed
         in by the caller under tensor parallelism; None or empty without it. `max_nonfinite_steps`:
         consecutive non-finite steps skipped before step() raises (None: the model's config knob
-        sdp_max_nonfinite_steps; [Note: non-finite steps] in nonfinite.py)."""
+        sdp_max_nonfinite_steps; [Note: non-finite steps] in nonfinite.py). `clip_norm` and `clip_owner`: the
+        clipping in force ([Note: clipping belongs to the user's front end] in clipping.py)."""
         if tp_splits is None and model.topology.tp.size > 1:  # the plain norm would differ per TP rank
             raise ValueError(
                 f"DistributedOptimizer of a model with tensor_parallel_degree={model.topology.tp.size} needs its "
@@ -59,7 +62,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.sharded_state = model.sharded_state
         self._clipped_by_user = False  # clip_master_grads ran in this window: step() does not clip again
-        self.clip_norm = clip_norm
+        self._clipping = Clipping(clip_norm, clip_owner)
         self.tp_splits = tp_splits
         self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler(1.0)
         self.overflow = False  # fp16: the last step overflowed (and was skipped)
@@ -122,6 +125,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
             elif id(where.param) in skip:
                 piece.grad = None
 
+    # ---- clipping ([Note: clipping belongs to the user's front end], clipping.py) ---------------
+
+    @property
+    def clipping(self) -> Clipping:
+        """The clipping in force: what `step()` clips to and whose rule that is (`str()` of it is a log
+        line). A clip the user runs in a window replaces it for that step (`clipped_by_user`)."""
+        return self._clipping
+
+    def set_clipping(self, max_norm: float, owner: str) -> None:
+        """Hand the built-in clipping to a front end: `owner` TRAINER (max_grad_norm) or ACCELERATE (0)."""
+        self._clipping = Clipping(float(max_norm), owner)
+
+    @property
+    def clip_norm(self) -> float:
+        """What `step()` clips to (0: it does not); `clipping` says whose rule it is."""
+        return self._clipping.max_norm
+
+    @property
+    def clipped_by_user(self) -> bool:
+        """A clip ran in the open window (clip_master_grads, accelerator.clip_grad_norm_, or
+        torch.nn.utils.clip_grad_norm_ on the model's parameters): `step()` does not clip again."""
+        return self._clipped_by_user or self.model.user_params.clip_watch.clipped
+
     def grad_norm_squared(self) -> torch.Tensor:
         """Squared global L2 norm of the (still scaled) grads: every element counted once.
 
@@ -183,7 +209,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.nonfinite_guard.passed()
         # `scale`, not the scaler's: a dynamic scaler that just grew its scale (update above) must not
         # divide these gradients, scaled by the old one, by the new one.
-        clip_norm = 0.0 if self._clipped_by_user else self.clip_norm
+        clip_norm = 0.0 if self.clipped_by_user else self.clip_norm
         self.last_grad_norm = self._unscale_and_clip(sq, scale, clip_norm)
         self._attach_grads(dropped)
         result = self.optimizer.step()
@@ -214,11 +240,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _end_step(self) -> None:
         self._clipped_by_user = False
+        self.model.user_params.clip_watch.reset()
         self.model.nonfinite_losses.zero_()  # the losses of the window just stepped (or skipped)
         self.model.end_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._clipped_by_user = False
+        self.model.user_params.clip_watch.reset()
         self.model.reset_window()  # the window's gradients are dropped
         self.model.nonfinite_losses.zero_()  # and what model.backward saw of their losses
         if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped

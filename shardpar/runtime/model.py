@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -130,6 +131,7 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
             ),
             tp_splits=tp_splits,
             tp_rank=topology.coords.tp_rank,
+            loss_scale=lambda: self.window.loss_scale,
         )
         self._hooks = ModelHooks(
             module,
@@ -318,6 +320,11 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
     def set_backward_passes_per_step(self, backward_passes_per_step: int) -> None:
         """The accumulation window's backward passes per step, from the next backward on."""
         self.window.set_backward_passes_per_step(backward_passes_per_step)
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """DDP's `no_sync()`: backwards inside accumulate without the replication AllReduce; the first
+        backward outside ends the accumulation window ([Note: no_sync] in window.py)."""
+        return self.window.no_sync()
 
     # The window owns these; the properties keep the attributes scripts set and read (a plain setattr
     # on nn.Module would otherwise create a new attribute the window never sees).

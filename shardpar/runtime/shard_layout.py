@@ -45,6 +45,14 @@ class ShardLayout:
     # Called when an op writes a tensor of this layout in place: the user parameters' layouts tell the
     # sharded state that its main values changed (a plain optimizer step), so the compute copies refresh.
     on_write: Callable[[], None] | None = None
+    # Called when a whole-tensor norm of a tensor of this layout is taken: the gradients' layouts tell
+    # the model that a norm was read, which with a write after it is a user's own clip (user_params.py).
+    on_norm: Callable[[], None] | None = None
+
+    @property
+    def split(self) -> bool:
+        """Whether other ranks hold other elements of this tensor (a reduction over them needs a collective)."""
+        return (self.sharded and self.comm.sharding.size > 1) or (self.tp is not None and self.comm.tp.size > 1)
 
     @property
     def whole(self) -> bool:

@@ -274,23 +274,40 @@ def _whole_or_refuse(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 # ---- whole-tensor reductions ----------------------------------------------------------------------
 
 
+def _norm_taken(tensors: Sequence[Any]) -> None:
+    """Tell the owners of the layouts a norm was taken of (once each; [Note: a user's own clip])."""
+    calls = {id(t._layout.on_norm): t._layout.on_norm for t in tensors if isinstance(t, ShardedTensor)}
+    for call in calls.values():
+        if call is not None:
+            call()
+
+
 def _vector_norm(
     t: ShardedTensor, ord: float = 2, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     if dim not in (None, [], ()):
         raise TypeError(refusal("linalg_vector_norm(dim=...)", t._layout))
-    local = t._local if dtype is None else t._local.to(dtype)
-    parts, combine = norm_parts([local], float(ord))
-    out = finish_norm(reduce_scalars(parts, [t._layout], combine)[0], float(ord))
+    _norm_taken([t])
+    if not t._layout.split:  # every element here: torch's own kernel, the one-process result to the bit
+        out = torch.linalg.vector_norm(t._local, ord, dtype=dtype)
+    else:
+        local = t._local if dtype is None else t._local.to(dtype)
+        parts, combine = norm_parts([local], float(ord))
+        out = finish_norm(reduce_scalars(parts, [t._layout], combine)[0], float(ord))
     return out.reshape([1] * t.dim()) if keepdim else out
 
 
 def _foreach_norm(tensors: Sequence[torch.Tensor], ord: float = 2, dtype: torch.dtype | None = None) -> list[Any]:
-    idx = [i for i, t in enumerate(tensors) if isinstance(t, ShardedTensor)]
+    _norm_taken(tensors)
+    # Tensors whose every element is on this rank (plain ones, persistent or unsplit parameters) take
+    # torch's own kernel, so their norms are the one-process ones to the bit; the split ones are finished
+    # over their groups, one collective per group for the whole list.
+    idx = [i for i, t in enumerate(tensors) if isinstance(t, ShardedTensor) and t._layout.split]
     out: list[Any] = [None] * len(tensors)
     plain = [i for i in range(len(tensors)) if i not in set(idx)]
     if plain:
-        for i, n in zip(plain, torch._foreach_norm([tensors[i] for i in plain], ord, dtype=dtype), strict=True):
+        whole = [t._local if isinstance(t, ShardedTensor) else t for t in (tensors[i] for i in plain)]
+        for i, n in zip(plain, torch._foreach_norm(whole, ord, dtype=dtype), strict=True):
             out[i] = n
     if idx:
         locals_ = [tensors[i]._local if dtype is None else tensors[i]._local.to(dtype) for i in idx]  # type: ignore[attr-defined]

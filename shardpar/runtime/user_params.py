@@ -29,12 +29,21 @@ grads: `p.grad.mul_(s)` scales them, `clip_grad_norm_` clips them, `p.grad = Non
 optimizer, `model.zero_grad()`) drops them -- `sync` reads the user grads back before the next
 backward adds to the main grads and before a step, so a dropped grad is neither accumulated into
 nor stepped, as with plain PyTorch.
+
+[Note: a user's own clip]
+`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` takes a norm of the `.grad`s (one
+collective for the sharded ones, sharded_tensor.py) and then multiplies them in place. The gradients'
+layouts report both to `GradClipWatch`: a norm read, then a write, after the window's last backward is
+a clip the user ran, and `DistributedOptimizer.step()` then leaves its built-in clipping out for that
+step (optim/clipping.py), as a script ported from DDP or FSDP2 expects. A norm alone (logging it) is
+not a clip; a backward after it starts over. The gradients carry the fp16 loss scale until step()
+divides it out, so with a scale other than 1 a norm of them is refused: it would be the scaled one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -50,6 +59,33 @@ _Location = tuple[nn.Module, str]
 _GradHolder = Unit | PersistentParams | ReplicaShard
 
 
+class GradClipWatch:
+    """Whether the user clipped the gradients since the last backward ([Note: a user's own clip])."""
+
+    def __init__(self, loss_scale: Callable[[], float]) -> None:
+        self._loss_scale = loss_scale
+        self._norm_read = False
+        self.clipped = False
+
+    def norm_read(self) -> None:
+        scale = self._loss_scale()
+        if scale != 1.0:
+            raise ValueError(
+                f"a norm of the gradients of a model trained with an fp16 loss scale of {scale:g}: they are scaled "
+                "until optimizer.step() divides the scale out, so the norm (and a clip by it) would be the scaled "
+                "one. Clip with optimizer.clip_master_grads(max_norm) (or accelerator.clip_grad_norm_), which "
+                "divide the scale out first"
+            )
+        self._norm_read = True
+
+    def written(self) -> None:
+        if self._norm_read:
+            self.clipped = True
+
+    def reset(self) -> None:
+        self._norm_read = self.clipped = False
+
+
 class UserParams:
     def __init__(
         self,
@@ -62,8 +98,10 @@ class UserParams:
         comm: ShardComm,
         tp_splits: Mapping[str, TPSplit] | None,
         tp_rank: int,
+        loss_scale: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self._state = state
+        self.clip_watch = GradClipWatch(loss_scale)
         self._units = units
         self._persistent = persistent
         self.pieces = state.pieces
@@ -85,8 +123,9 @@ class UserParams:
                 tp_rank=tp_rank,
                 on_write=state.mark_written,
             )
-            # the grads' layout tells no one: writing a grad does not change the parameters
-            self._grad_layouts.append(dataclasses.replace(layout, on_write=None))
+            # Writing a grad does not change the parameters; a norm and then a write is a user's clip.
+            watch = self.clip_watch
+            self._grad_layouts.append(dataclasses.replace(layout, on_write=watch.written, on_norm=watch.norm_read))
             user = sharded_parameter(state.main(piece), layout, requires_grad=piece.param.requires_grad)
             self.user.append(user)
             state.add_user(piece, user)
@@ -157,6 +196,7 @@ class UserParams:
         """After a backward: each user parameter's `.grad` views its main grad (None where there is
         none, or for the compute parameters whose ids are in `unused`)."""
         skip = set(unused)
+        self.clip_watch.reset()  # new gradients: a clip before this backward did not cover them
         for i, (piece, user) in enumerate(zip(self.pieces, self.user, strict=True)):
             grad = None if id(piece.param) in skip or not user.requires_grad else self._state.grad(piece)
             if grad is None:
@@ -206,6 +246,7 @@ class UserParams:
         self._published[i] = user.grad
 
     def clear_grads(self) -> None:
+        self.clip_watch.reset()
         for i, user in enumerate(self.user):
             user.grad = None
             self._published[i] = None

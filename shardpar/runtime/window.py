@@ -8,8 +8,17 @@ another (a resumed run starts a window of its own).
 
     begin_backward() -> ends_window      (the backward's first gradient, hooks.py)
     end_backward()                       (the end-of-backward callback)
+    no_sync()                            (DDP's no_sync: [Note: no_sync] below)
     reset()                              (zero_grad: the window's gradients are dropped)
     check_step() / check_save(...)       (refuse a step or a save inside a window)
+
+[Note: no_sync]
+`model.no_sync()` means what DDP's does: a backward inside it never ends the window (no replication
+AllReduce), and the first backward outside it after such a backward does, whatever
+`backward_passes_per_step` counts -- DDP syncs the first backward outside. Under smp.step that is the
+step's last micro-batch (the step's micro-batches are one batch). accelerate's `no_sync(model)` and
+`accumulate(model)` come here, so a loop that calls `loss.backward()` itself inside them accumulates
+exactly as under DDP.
 
 One owner: the model's hooks, smp.step, the optimizer and the checkpoints use it through these
 methods; nothing else writes its fields.
@@ -33,6 +42,9 @@ class AccumulationWindow:
         self._ends = False  # whether the running backward ends the window
         self._num_backward = 0  # every backward pass so far (informational)
         self._loss_scale = 1.0  # set from the DistributedOptimizer's fp16 loss scaler
+        self._no_sync = 0  # depth of no_sync() contexts ([Note: no_sync])
+        self._deferred = False  # a backward of the open window ran inside no_sync()
+        self._micro_done = 0  # backward passes of the running smp.step
 
     # ---- reads ----------------------------------------------------------------------------------
 
@@ -63,6 +75,11 @@ class AccumulationWindow:
         return 1.0 / self._microbatches if self._average else 1.0
 
     @property
+    def in_no_sync(self) -> bool:
+        """Inside `no_sync()`: backwards accumulate without ending the window."""
+        return self._no_sync > 0
+
+    @property
     def ends_window(self) -> bool:
         """Whether the running (or last) backward ends the window."""
         return self._ends
@@ -79,26 +96,45 @@ class AccumulationWindow:
     @contextmanager
     def in_step(self, microbatches: int) -> Iterator[None]:
         """smp.step's micro-batches: each backward inside is 1/microbatches of the window's gradient."""
-        self._microbatches = microbatches
+        self._microbatches, self._micro_done = microbatches, 0
         try:
             yield
         finally:
-            self._microbatches = 1
+            self._microbatches, self._micro_done = 1, 0
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's no_sync ([Note: no_sync])."""
+        self._no_sync += 1
+        try:
+            yield
+        finally:
+            self._no_sync -= 1
 
     def begin_backward(self) -> bool:
         """A backward starts: returns whether it ends the window."""
         self._length = self._per_step * self._microbatches
-        self._ends = self._done + 1 >= self._length
+        if self._no_sync:
+            self._deferred = True
+            self._ends = False
+        elif self._deferred:  # the first backward outside no_sync (the running step's last micro-batch)
+            self._ends = self._micro_done + 1 >= self._microbatches
+        else:
+            self._ends = self._done + 1 >= self._length
         return self._ends
 
     def end_backward(self) -> None:
         self._num_backward += 1
+        self._micro_done += 1
         self._done = 0 if self._ends else self._done + 1
+        if self._ends:
+            self._deferred = False
 
     def reset(self) -> None:
         """The window's gradients were dropped (zero_grad): the next backward starts a window (one
         abandoned after an error would otherwise end off the user's count)."""
         self._done = 0
+        self._deferred = False
 
     # ---- refusals -------------------------------------------------------------------------------
 
@@ -106,6 +142,12 @@ class AccumulationWindow:
         """Refuse a step inside an accumulation window, before anything changes: the main grads are
         partial sums not yet AllReduced over the replication group, so the replicas would diverge."""
         done, window, per_step = self._done, self._length, self._per_step
+        if done and self._deferred:
+            raise ValueError(
+                f"optimizer.step() after {done} backward passes inside model.no_sync(): their gradients are not "
+                "reduced over the replication group until a backward outside no_sync() ends the window (DDP's "
+                "rule). Run the window's last backward outside no_sync(), then step()"
+            )
         if done:
             micro = f" x {window // per_step} micro-batches" if window > per_step else ""
             raise ValueError(

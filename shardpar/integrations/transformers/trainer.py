@@ -45,6 +45,7 @@ from shardpar.integrations.accelerate import SHARDPAR_DIR, Accelerator
 from shardpar.integrations.accelerated import ShardparOptimizer, distributed_optimizer
 from shardpar.integrations.hf_export import save_full_weights
 from shardpar.integrations.transformers.settings import check_trainer_arguments, trainer_config
+from shardpar.optim.clipping import TRAINER
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
 
@@ -114,7 +115,7 @@ class Trainer(transformers.Trainer):
             return optimizer
         sharded = distributed_optimizer(optimizer, self.sharded_model())
         # Trainer's clipping is shardpar's built-in one (inside step(), sharing the overflow check's AllReduce).
-        sharded.clip_norm = float(self.args.max_grad_norm or 0.0)
+        sharded.set_clipping(float(self.args.max_grad_norm or 0.0), TRAINER)
         self.optimizer = sharded
         return sharded
 
