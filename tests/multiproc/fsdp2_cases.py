@@ -94,6 +94,12 @@ def state_dict_functions_case() -> dict[str, Any]:
         out[name] = _same(ours, theirs)
         out[f"{name}_sizes"] = (len(ours[0]), len(ours[1]))
     out["model_only"] = _same(get_model_state_dict(model), get_model_state_dict(ref))
+    # a plain torch optimizer over model.parameters() (it steps the ShardedTensors themselves)
+    plain = smp.DistributedModel(models.tiny_neox(0))
+    plain_opt = _adamw(plain)
+    for seed in (1, 2):
+        _step(plain, plain_opt, seed)
+    out["plain_optimizer"] = _same(get_state_dict(plain, plain_opt), get_state_dict(ref, ref_opt))
     out["optim_only"] = _same(get_optimizer_state_dict(model, opt), get_optimizer_state_dict(ref, ref_opt))
     # set_state_dict: one process's state dicts into a fresh model and optimizer (another init), then
     # one more step on each side: the same parameters, so the loaded Adam moments and steps were used

@@ -11,7 +11,7 @@ def test_state_dict_functions_and_full_tensor_match_one_process(ranks) -> None:
     for rank, res in enumerate(ranks.run(2, cases.state_dict_functions_case, timeout=300)):
         assert res["sharded"] == ["ShardedTensor"], res["sharded"]
         assert res["full_tensor"] == [] and res["full_tensor_type"] == ["Tensor"], res["full_tensor"]
-        for name in ("default", "full", "full_cpu", "flat", "frozen", "model_only", "optim_only"):
+        for name in ("default", "full", "full_cpu", "flat", "frozen", "model_only", "optim_only", "plain_optimizer"):
             assert res[name] == [], f"rank {rank} {name}: {res[name][:3]}"
         # state for every parameter in both groups, and cpu_offload with full_state_dict leaves rank 0 alone
         assert res["default_sizes"][0] > 0 and res["default_sizes"][1] == 2

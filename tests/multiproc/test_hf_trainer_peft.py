@@ -34,3 +34,5 @@ def test_trainer_saves_and_resumes_a_peft_adapter(ranks, tmp_path: Path) -> None
     tail, want = res["resumed_loss"][2:], res["straight_loss"][2:]
     assert len(tail) == 2 and max(abs(a - b) for a, b in zip(tail, want, strict=True)) <= TOL, (tail, want)
     assert _max_diff(res["resumed"], res["straight"]) <= TOL
+    # a checkpoint of weights only (no shardpar/) resumes by loading the adapter PEFT saved
+    assert _max_diff(res["adapter_loaded"], res["resumed"]) == 0.0

@@ -91,6 +91,13 @@ def save_and_resume_case(out: str) -> dict[str, Any]:
     result["straight_loss"] = base._history(straight)["loss"]
     resumed.save_model(f"{out}/final")
     logits = _logits(resumed.model)
+    # a checkpoint without shardpar/ (save_only_model) loads the adapter back: zero it, load final/
+    with torch.no_grad():
+        for p in resumed.model.parameters():
+            if p.requires_grad:
+                p.zero_()
+    resumed._load_from_checkpoint(f"{out}/final")
+    result["adapter_loaded"] = _adapter(resumed)
     if smp.rank() == 0:
         result["final"] = _reload(Path(out) / "final", logits)
         plain = Path(out) / "plain"
