@@ -150,4 +150,13 @@ def unshard_case() -> dict[str, Any]:
     out["async"] = (held(), model.all_sharded())
     model.reshard()
     out["resharded"] = (held(), model.all_sharded())
+    # a training forward and backward after unshard(): the same loss as without, every unit freed after
+    want_loss = model(input_ids=probe, labels=probe).loss
+    want_loss.backward()
+    model.zero_grad()
+    model.unshard()
+    loss = model(input_ids=probe, labels=probe).loss
+    loss.backward()
+    out["train_loss"] = (loss - want_loss).abs().item()
+    out["after_backward"] = (held(), model.all_sharded(), all(p.grad is not None for p in model.parameters()))
     return out

@@ -29,3 +29,4 @@ def test_unshard_and_reshard_as_fsdp2(ranks) -> None:
         assert res["after_forward"] == (["sharded"], True), res["after_forward"]
         assert res["async"] == (["whole"], False)
         assert res["resharded"] == (["sharded"], True)
+        assert res["train_loss"] == 0.0 and res["after_backward"] == (["sharded"], True, True), res
