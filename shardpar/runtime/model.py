@@ -4,7 +4,8 @@ It builds the pieces and keeps the nn.Module surface: the units (unit.py) with t
 persistent parameters, the Scheduler that alone gathers and frees units (schedule.py), the bucketed
 reducer (reducer.py), the accumulation window (window.py), and the hooks that drive them (hooks.py,
 where the forward/backward sequence is pictured). Two mixins in its bases carry the rest of its surface:
-state_dict / load_state_dict (model_state_dict.py) and SMP v1's names (model_v1.py).
+state_dict / load_state_dict (model_state_dict.py), SMP v1's names (model_v1.py) and FSDP2's
+unshard / reshard (model_fsdp2.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
 from shardpar.runtime.materialize import Materializer, check_nothing_materialised, module_device, refuse_nested
+from shardpar.runtime.model_fsdp2 import FSDP2Mixin
 from shardpar.runtime.model_state_dict import StateDictMixin
 from shardpar.runtime.model_v1 import V1Mixin
 from shardpar.runtime.persistent import PersistentParams
@@ -47,7 +49,7 @@ from shardpar.topology import Topology
 _Registered = dict[int, list[nn.Parameter]]
 
 
-class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
+class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
     """Shards `module` across the sharding group; keeps its parameter names and forward signature."""
 
     def __init__(
@@ -291,6 +293,7 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
         torch.no_grad) left gathered -- the root keeps its parameters for the backward -- since those
         values are stale now; the next forward gathers the stepped ones."""
         self.scheduler.release_all()
+        self.user_params.reset()  # after model.unshard() the modules held the (now freed) compute parameters
         stats = getattr(self.engine, "stats", None)
         if stats is not None:
             stats.begin_step()

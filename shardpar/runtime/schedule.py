@@ -87,6 +87,15 @@ class Scheduler:
             unit.borrow_calls = 0  # calls from graphs that never got a backward
             unit.release()
 
+    def hold_all(self) -> None:
+        """model.unshard() (model_fsdp2.py): every unit gathered under its FORWARD hold, which its next
+        forward drops after use as usual; `release_all` (a step, model.reshard()) frees the rest."""
+        for unit in self.units:
+            unit.unshard(FORWARD, async_op=True)
+        for unit in self.units:
+            unit.reshard(PREFETCH)  # a prefetch turned into a held unit (no-op otherwise)
+            unit.wait_for_unshard()
+
     def drop_prefetches(self) -> None:
         for unit in self.units:
             if PREFETCH in unit.holds:

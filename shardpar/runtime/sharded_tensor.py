@@ -39,6 +39,7 @@ import torch.optim.optimizer as _optim_impl
 import torch.utils._foreach_utils as _foreach_impl
 
 from shardpar.runtime.shard_layout import ShardComm, ShardLayout, refusal
+from shardpar.runtime.sharded_gather import full_value
 from shardpar.runtime.sharded_reductions import finish_norm, norm_parts, reduce_scalars
 
 __all__ = ["ShardComm", "ShardLayout", "ShardedTensor", "sharded_parameter"]
@@ -112,6 +113,11 @@ class ShardedTensor(torch.Tensor):
     @property
     def shard_layout(self) -> ShardLayout:  # not `layout`: torch.Tensor.layout is torch.strided
         return self._layout
+
+    def full_tensor(self) -> torch.Tensor:
+        """DTensor's `full_tensor()`: a plain tensor of the global shape with every rank's values (a
+        collective over the sharding and TP groups: every rank calls it, as with DTensor)."""
+        return full_value(self._local, self._layout)
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]

@@ -17,9 +17,10 @@ Each Trainer step goes through shardpar's own API:
 - `max_grad_norm`: shardpar's built-in clipping inside `optimizer.step()` (one AllReduce for the norm,
   the clip and the overflow check); the logged `grad_norm` is that norm.
 - `bf16` / `fp16`: shardpar's compute copies of the shards (no autocast); fp16 with dynamic loss scaling.
-- `checkpoint-N/`: the full HF weights and config (`from_pretrained` loads the folder), `shardpar/` (a
-  partial checkpoint: every shard once, optimizer state, loss scaler), `scheduler.pt`,
-  `trainer_state.json`, `rng_state_*.pth`.
+- `checkpoint-N/`: the full HF weights and config (`from_pretrained` loads the folder) -- for a PEFT
+  model its adapter as PEFT saves it (`PeftModel.from_pretrained` loads it) --, `shardpar/` (a partial
+  checkpoint: every shard once, optimizer state, loss scaler), `scheduler.pt`, `trainer_state.json`,
+  `rng_state_*.pth`.
 - `resume_from_checkpoint`: the partial checkpoint, resharded to this run's world size and sdp.
 - data: accelerate's per-rank split, over the reduced-data-parallel ranks (a TP group reads one batch).
 """
@@ -44,6 +45,7 @@ import shardpar as smp
 from shardpar.integrations.accelerate import SHARDPAR_DIR, Accelerator
 from shardpar.integrations.accelerated import ShardparOptimizer, distributed_optimizer
 from shardpar.integrations.hf_export import save_full_weights
+from shardpar.integrations.peft_export import is_peft_model, load_adapter, save_adapter
 from shardpar.integrations.transformers.settings import check_trainer_arguments, trainer_config
 from shardpar.optim.clipping import TRAINER
 from shardpar.optim.optimizer import DistributedOptimizer
@@ -161,14 +163,19 @@ class Trainer(transformers.Trainer):
     # ---- saving -----------------------------------------------------------------------------------
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
-        """The full HF weights and config through shardpar's export (every rank takes part), then what
-        transformers saves next to them (tokenizer or processor, training_args.bin)."""
+        """The full HF weights and config through shardpar's export (every rank takes part), or for a
+        PEFT model its adapter (integrations/peft_export.py), then what transformers saves next to them
+        (tokenizer or processor, training_args.bin)."""
         if state_dict is not None:
             raise ValueError("a shardpar model saves its own full weights: Trainer._save(state_dict=...) is not used")
         directory = output_dir if output_dir is not None else self.args.output_dir
         if directory is None:
             raise ValueError("Trainer._save needs an output_dir (TrainingArguments(output_dir=...))")
-        save_full_weights(self.sharded_model(), directory)
+        model = self.sharded_model()
+        if is_peft_model(model.module):  # what transformers' Trainer saves for PEFT: the adapter alone
+            save_adapter(model, directory, is_main_process=self.args.should_save)
+        else:
+            save_full_weights(model, directory)
         if not self.args.should_save:
             return
         tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
@@ -206,7 +213,15 @@ class Trainer(transformers.Trainer):
                 "(optimizer.pt) is one process's and cannot be split into shards. Start from its weights instead: "
                 "Trainer(model=AutoModel...from_pretrained(checkpoint), ...) without resume_from_checkpoint"
             )
-        _load_full_weights(resume_from_checkpoint)
+        self._load_weights(resume_from_checkpoint)
+
+    def _load_weights(self, directory: str) -> None:
+        """What `_save` wrote: a PEFT adapter, or the full HF weights."""
+        model = self.sharded_model()
+        if is_peft_model(model.module):
+            load_adapter(model, directory)
+        else:
+            _load_full_weights(directory)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
@@ -232,7 +247,7 @@ class Trainer(transformers.Trainer):
         if os.path.isdir(partial):
             smp.resume_from_checkpoint(partial, load_optimizer=False)
         else:
-            _load_full_weights(best)
+            self._load_weights(best)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

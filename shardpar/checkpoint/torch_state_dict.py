@@ -1,0 +1,325 @@
+"""torch.distributed.checkpoint.state_dict's functions on a DistributedModel and its optimizer:
+`get_model_state_dict`, `get_optimizer_state_dict`, `get_state_dict` and their `set_*` return and take
+what they return and take for one process -- full tensors under the unwrapped model's FQNs, optimizer
+state keyed by FQN (docs/migration.md, "From PyTorch FSDP2").
+
+Why not through torch's own code path: it maps optimizer state to FQNs by the identity of the tensors
+in the optimizer's param groups, found again in `model.named_parameters()`; a DistributedOptimizer
+steps plain leaves aliasing this rank's pieces of the main shards (optim/optimizer.py), which no module
+holds (torch ends in a bare `KeyError: 0`), and its state tensors are those 1-D pieces, which torch
+has no way to gather. So `install()` puts a shim in front of the four private helpers the public
+functions call (looked up in the module's globals at call time, so scripts that imported the public
+functions before shardpar are covered): a DistributedModel goes to the functions below, any other
+model to torch's own code, unchanged.
+
+`StateDictOptions`: `full_state_dict=False` gives the same full tensors as True (shardpar's parameters
+are not DTensors; a sharded save is smp.save_checkpoint); `cpu_offload` moves the tensors to the CPU
+and, with `full_state_dict`, leaves them on rank 0 only (as torch does); `ignore_frozen_params`,
+`strict` and `flatten_optimizer_state_dict` behave as in torch; `broadcast_from_rank0` and
+`submodules` raise (see `_refuse`). The functions below are usable without torch's front end (issue 32's
+DCP save and load builds on them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint.state_dict as dsd
+from torch import nn
+
+from shardpar.optim.optimizer import DistributedOptimizer
+from shardpar.runtime.model import DistributedModel
+from shardpar.runtime.shard_layout import ShardLayout
+from shardpar.runtime.sharded_gather import full_value
+from shardpar.runtime.sharded_tensor import ShardedTensor
+
+STATE, GROUPS, PARAMS = "state", "param_groups", "params"  # torch.optim's state-dict keys
+
+
+# ---- the model --------------------------------------------------------------------------------
+
+
+def model_state_dict(model: DistributedModel, *, ignore_frozen_params: bool = False) -> dict[str, Any]:
+    """One process's `model.state_dict()`: full tensors under the unwrapped model's keys (a collective)."""
+    out: dict[str, Any] = model.state_dict()
+    if ignore_frozen_params:  # torch drops the names named_parameters() gives (tied: the first)
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                out.pop(name, None)
+    return out
+
+
+# ---- the optimizer ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Stepped:
+    """One tensor an optimizer steps: the parameter's FQN and how this rank's piece lies in it."""
+
+    fqn: str
+    layout: ShardLayout
+    requires_grad: bool
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, DistributedOptimizer | None]:
+    """(the torch optimizer that holds the state, the DistributedOptimizer around it or None), under
+    accelerate's or transformers' wrappers (each keeps the one it wraps as `.optimizer`)."""
+    seen = optimizer
+    while not isinstance(seen, DistributedOptimizer):
+        wrapped = getattr(seen, "optimizer", None)
+        if not isinstance(wrapped, torch.optim.Optimizer):
+            break
+        seen = wrapped
+    if isinstance(seen, DistributedOptimizer):
+        return seen.optimizer, seen
+    return seen, None  # a plain torch optimizer over model.parameters(): it steps the ShardedTensors
+
+
+def _stepped(model: DistributedModel, dist: DistributedOptimizer | None) -> dict[int, _Stepped]:
+    """id(tensor in the optimizer's param groups) -> what it is; names as `named_parameters()` gives
+    them (a tied parameter under its first name, as torch's single-process state dict)."""
+    state = model.sharded_state
+    out: dict[int, _Stepped] = {}
+    for name, p in model.named_parameters():
+        piece = state.piece_of(p)  # the user parameter, or the compute one after model.unshard()
+        if piece is None:
+            continue
+        user = state.user_of(piece)
+        if not isinstance(user, ShardedTensor):
+            raise AssertionError(f"{name}: no sharded parameter behind it")
+        stepped = dist.main_piece(p) if dist is not None else user
+        if stepped is not None:
+            out[id(stepped)] = _Stepped(name, user.shard_layout, piece.param.requires_grad)
+    return out
+
+
+def _param_names(optimizer: torch.optim.Optimizer, stepped: Mapping[int, _Stepped]) -> list[list[_Stepped]]:
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        named = []
+        for p in group[PARAMS]:
+            where = stepped.get(id(p))
+            if where is None:
+                raise ValueError(
+                    f"param group {i} of {type(optimizer).__name__} holds a tensor of shape {list(p.shape)} that is "
+                    "not a parameter of this DistributedModel: pass the model the optimizer was built for "
+                    "(smp.DistributedOptimizer over model.parameters())"
+                )
+            named.append(where)
+        groups.append(named)
+    return groups
+
+
+def _full(value: Any, where: _Stepped) -> Any:
+    """A state value at the parameter's full shape: per-element tensors gathered, the rest copied."""
+    if isinstance(value, ShardedTensor):
+        return value.full_tensor()
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return full_value(value, where.layout)  # the 1-D piece (or a persistent parameter's whole value)
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()  # Adam's `step`
+    return value
+
+
+def optimizer_state_dict(model: DistributedModel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """One process's optimizer state dict with FQN keys, as torch's `get_optimizer_state_dict` returns
+    it: {"state": {fqn: {name: full tensor or value}}, "param_groups": [{..., "params": [fqn, ...]}]}.
+    A collective (the state tensors are gathered one by one). shardpar's loss scaler is not in it."""
+    inner, dist = _inner(optimizer)
+    groups = _param_names(inner, _stepped(model, dist))
+    flat = [where for group in groups for where in group]
+    packed = inner.state_dict()  # param ids are positions in param-group order
+    state = {flat[i].fqn: {k: _full(v, flat[i]) for k, v in s.items()} for i, s in packed[STATE].items()}
+    param_groups = [{**g, PARAMS: [flat[i].fqn for i in g[PARAMS]]} for g in packed[GROUPS]]
+    return {STATE: state, GROUPS: param_groups}
+
+
+def _piece(value: Any, where: _Stepped, like: torch.Tensor) -> Any:
+    """This rank's piece of a full-shape state tensor, as the optimizer keeps it (see `_full`)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() == 0:  # a copy: Adam's `step` is counted up in place, the caller's must stay as it was
+        return value.detach().clone()
+    layout = where.layout
+    if tuple(value.shape) != tuple(layout.shape):
+        raise ValueError(
+            f"optimizer state of {where.fqn}: a tensor of shape {list(value.shape)}, the parameter's is "
+            f"{list(layout.shape)}; only per-element and scalar state loads into shardpar's sharded optimizer"
+        )
+    local = layout.piece_of(value.detach().to(like.device)).clone()
+    return ShardedTensor(local, layout) if isinstance(like, ShardedTensor) else local
+
+
+def load_optimizer_state_dict(
+    model: DistributedModel, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], *, strict: bool = True
+) -> None:
+    """Load what `optimizer_state_dict` returns (or its flattened form) into this rank's pieces. Every
+    rank passes the same full state dict; each keeps its own piece. Checked before anything is loaded:
+    the param groups by FQN, and (strict) state for every trainable parameter."""
+    inner, dist = _inner(optimizer)
+    groups = _param_names(inner, _stepped(model, dist))
+    if STATE not in state_dict:
+        state_dict = unflatten_optimizer_state_dict(state_dict, [[w.fqn for w in g] for g in groups], inner)
+    saved_groups = list(state_dict[GROUPS])
+    if len(saved_groups) != len(groups):
+        raise ValueError(
+            f"optimizer state dict with {len(saved_groups)} param groups for an optimizer with {len(groups)}: "
+            "build the optimizer with the same param groups as the one saved"
+        )
+    for i, (saved, mine) in enumerate(zip(saved_groups, groups, strict=True)):
+        if list(saved[PARAMS]) != [w.fqn for w in mine]:
+            diff = sorted(set(saved[PARAMS]) ^ {w.fqn for w in mine}) or ["(the same names, in another order)"]
+            raise ValueError(f"optimizer param group {i} holds other parameters than the one saved, e.g. {diff[0]}")
+    flat = [
+        (p, where)
+        for group, named in zip(inner.param_groups, groups, strict=True)
+        for p, where in zip(group[PARAMS], named, strict=True)
+    ]
+    saved_state = state_dict[STATE]
+    missing = [w.fqn for _, w in flat if w.requires_grad and w.fqn not in saved_state]
+    if strict and missing:
+        raise ValueError(
+            f"optimizer state dict has no state for {len(missing)} trainable parameters, e.g. {missing[0]!r}; "
+            "pass StateDictOptions(strict=False) to load it anyway"
+        )
+    state = {
+        i: {k: _piece(v, where, p) for k, v in saved_state[where.fqn].items()}
+        for i, (p, where) in enumerate(flat)
+        if where.fqn in saved_state
+    }
+    positions, params = iter(range(len(flat))), []
+    for group in saved_groups:
+        params.append({**group, PARAMS: [next(positions) for _ in group[PARAMS]]})
+    inner.load_state_dict({STATE: state, GROUPS: params})
+
+
+def unflatten_optimizer_state_dict(
+    flat: Mapping[str, Any], group_fqns: list[list[str]], optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """torch's `flatten_optimizer_state_dict=True` form ("state.<fqn>.<name>", "param_groups.<fqn>.<option>")
+    back to the nested one, for these param groups."""
+    state: dict[str, Any] = {}
+    for fqns in group_fqns:
+        for fqn in fqns:
+            prefix = f"{STATE}.{fqn}."
+            for key, value in flat.items():
+                if key.startswith(prefix):
+                    *path, last = key[len(prefix) :].split(".")
+                    node = state.setdefault(fqn, {})
+                    for part in path:  # nested state (Shampoo-like optimizers)
+                        node = node.setdefault(part, {})
+                    node[last] = value
+    groups = []
+    for fqns, group in zip(group_fqns, optimizer.param_groups, strict=True):
+        options = {
+            k: flat[f"{GROUPS}.{fqns[0]}.{k}"] for k in group if k != PARAMS and f"{GROUPS}.{fqns[0]}.{k}" in flat
+        }
+        groups.append({**options, PARAMS: list(fqns)})
+    return {STATE: state, GROUPS: groups}
+
+
+# ---- torch's front end ------------------------------------------------------------------------
+
+
+def _refuse(info: Any, call: str) -> None:
+    """Options of StateDictOptions (and get_*'s `submodules`) that have no meaning here."""
+    if info.broadcast_from_rank0:
+        raise ValueError(
+            f"{call} with StateDictOptions(broadcast_from_rank0=True) on a shardpar DistributedModel: there is no "
+            "DTensor to scatter into. Load the full state dict on every rank (full_state_dict=True without "
+            "broadcast_from_rank0), or a Hugging Face directory with "
+            "smp.resume_from_checkpoint(path, tag, partial=False)"
+        )
+    if info.submodule_prefixes:
+        raise ValueError(
+            f"{call}(submodules=...) on a shardpar DistributedModel: torch deprecated it; take the whole state dict "
+            "and keep the keys under the submodule's prefix"
+        )
+
+
+def _unwrap_model(model: nn.Module) -> DistributedModel | None:
+    return model if isinstance(model, DistributedModel) else None
+
+
+def _offload(tensors: dict[str, Any], info: Any) -> dict[str, Any]:
+    """`cpu_offload`: on the CPU; with `full_state_dict` rank 0 alone keeps them (torch's _gather_state_dict)."""
+    if not info.cpu_offload:
+        return tensors
+    if info.full_state_dict and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return {}
+    return dsd._offload_state_dict_to_cpu(tensors)
+
+
+def _get_model(original: Callable[..., Any], model: nn.Module, info: Any) -> Any:
+    ours = _unwrap_model(model)
+    if ours is None or not info.handle_model:
+        return original(model, info)
+    _refuse(info, "get_model_state_dict")
+    return _offload(model_state_dict(ours, ignore_frozen_params=info.ignore_frozen_params), info)
+
+
+def _load_model(original: Callable[..., Any], model: nn.Module, state_dict: dict[str, Any], info: Any) -> Any:
+    ours = _unwrap_model(model)
+    if ours is None or not info.handle_model:
+        return original(model, state_dict, info)
+    _refuse(info, "set_model_state_dict")
+    if not state_dict:  # torch: nothing to load
+        return original(model, state_dict, info)
+    return ours.load_state_dict(state_dict, strict=info.strict)
+
+
+def _get_optim(original: Callable[..., Any], model: nn.Module, optimizers: Any, info: Any) -> Any:
+    ours = _unwrap_model(model)
+    if ours is None or not info.handle_optim:
+        return original(model, optimizers, info)
+    _refuse(info, "get_optimizer_state_dict")
+    merged: dict[str, Any] = {STATE: {}, GROUPS: []}
+    for optimizer in optimizers:
+        one = optimizer_state_dict(ours, optimizer)
+        merged[STATE].update(one[STATE])
+        merged[GROUPS].extend(one[GROUPS])
+    if info.flatten_optimizer_state_dict:
+        merged = dsd._flatten_optim_state_dict(merged)
+    return _offload(merged, info)
+
+
+def _load_optim(original: Callable[..., Any], model: nn.Module, optimizers: Any, state_dict: Any, info: Any) -> Any:
+    ours = _unwrap_model(model)
+    if ours is None or not info.handle_optim:
+        return original(model, optimizers, state_dict, info)
+    _refuse(info, "set_optimizer_state_dict")
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"set_optimizer_state_dict with {len(optimizers)} optimizers on a shardpar DistributedModel: one "
+            "smp.DistributedOptimizer trains it; load each optimizer's own state dict with one call each"
+        )
+    load_optimizer_state_dict(ours, optimizers[0], state_dict, strict=info.strict)
+    return None
+
+
+_HELPERS: dict[str, Callable[..., Any]] = {
+    "_get_model_state_dict": _get_model,
+    "_load_model_state_dict": _load_model,
+    "_get_optim_state_dict": _get_optim,
+    "_load_optim_state_dict": _load_optim,
+}
+
+
+def install() -> None:
+    """Put the shims in front of torch's helpers (once; idempotent). See the module docstring."""
+    for name, ours in _HELPERS.items():
+        original = getattr(dsd, name, None)
+        if original is None:
+            raise AssertionError(f"torch.distributed.checkpoint.state_dict.{name} is gone: update shardpar's shim")
+        if getattr(original, "_shardpar_shim", False):
+            continue
+
+        @torch.no_grad()  # as torch's helpers are
+        def shim(*args: Any, _ours: Callable[..., Any] = ours, _original: Any = original, **kwargs: Any) -> Any:
+            return _ours(_original, *args, **kwargs)
+
+        shim._shardpar_shim = True  # type: ignore[attr-defined]
+        setattr(dsd, name, shim)
