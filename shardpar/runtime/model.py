@@ -71,6 +71,7 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
         )
         self._find_optimizer = find_optimizer  # for post-partition hooks (the facade's optimizer)
         self._post_partition_hooks: OrderedDict[int, Callable[[Any, Any], None]] = OrderedDict()  # weakref-able
+        self._post_step_hooks: OrderedDict[int, Callable[[Any, Any], None]] = OrderedDict()
         refuse_nested(module)
         if config.delayed_parameter_initialization:
             check_nothing_materialised(module, premade=premade)
