@@ -19,6 +19,7 @@ from torch import nn
 from shardpar.collectives import Engine
 from shardpar.config import Config
 from shardpar.precision import DtypePolicy
+from shardpar.runtime.boundary_cast import call_in_compute_dtype
 from shardpar.runtime.buffers import BufferSync
 from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
@@ -340,7 +341,7 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._post_partition_hooks:
             self._run_post_partition_hooks()
-        return self.module(*args, **kwargs)
+        return call_in_compute_dtype(self.module, self.policy.compute, args, kwargs)
 
     @property
     def nonfinite_losses(self) -> torch.Tensor:
