@@ -53,7 +53,7 @@ def test_non_tensor_values_are_places_too() -> None:
     def train_step(x: torch.Tensor) -> Any:
         return x.sum(), int(x.numel()), None, float(x[0])
 
-    loss, count, nothing, first = _step(train_step)(torch.arange(4.0))
+    _, count, nothing, first = _step(train_step)(torch.arange(4.0))
     assert count.outputs == [2, 2] and count.reduce_sum() == 4 and count.reduce_mean() == 2.0
     assert list(nothing) == [None, None] and first.reduce_mean() == 1.0  # (0.0 + 2.0) / 2
     with pytest.raises(TypeError, match=r"StepOutput.reduce_mean\(\) sums tensors or numbers.*NoneType.*\.outputs"):
@@ -73,7 +73,9 @@ def test_micro_batches_returning_different_structures_are_an_error_naming_the_pl
     def ragged(x: torch.Tensor) -> Any:
         return {"loss": x.sum()} if x[0] == 0 else {"loss": x.sum(), "extra": x}
 
-    with pytest.raises(ValueError, match=r"micro-batch 0 returned a dict \(keys \['loss'\]\).*micro-batch 1 a dict of 2"):
+    with pytest.raises(
+        ValueError, match=r"micro-batch 0 returned a dict \(keys \['loss'\]\).*micro-batch 1 a dict of 2"
+    ):
         _step(ragged)(torch.arange(4.0))
 
     def nested(x: torch.Tensor) -> Any:
