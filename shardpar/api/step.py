@@ -270,12 +270,20 @@ def as_step_output(outputs: list[Any], where: str = "the step function's return 
     must return the same structure (the same keys, the same lengths)."""
     first = outputs[0]
     if isinstance(first, (list, tuple)) and not isinstance(first, torch.Size):
-        _check_same(outputs, where, lambda o: isinstance(o, type(first)) and len(o) == len(first), f"{len(first)}")
+
+        def same_length(o: Any) -> bool:
+            return isinstance(o, type(first)) and len(o) == len(first)
+
+        _check_same(outputs, where, same_length, f"of {len(first)}")
         items = [as_step_output([o[i] for o in outputs], f"{where}[{i}]") for i in range(len(first))]
         return _rebuild_sequence(first, items)
     if isinstance(first, Mapping):
         keys = list(first.keys())
-        _check_same(outputs, where, lambda o: isinstance(o, Mapping) and list(o.keys()) == keys, f"keys {keys}")
+
+        def same_keys(o: Any) -> bool:  # in any order
+            return isinstance(o, Mapping) and len(o) == len(keys) and all(k in o for k in keys)
+
+        _check_same(outputs, where, same_keys, f"keys {keys}")
         built = {k: as_step_output([o[k] for o in outputs], f"{where}[{k!r}]") for k in keys}
         return _rebuild_mapping(first, built)
     return StepOutput(outputs)

@@ -78,6 +78,11 @@ def test_micro_batches_returning_different_structures_are_an_error_naming_the_pl
     ):
         _step(ragged)(torch.arange(4.0))
 
+    def reordered(x: torch.Tensor) -> Any:  # the same keys in another order are the same structure
+        return {"a": x[0], "b": x[1]} if x[0] == 0 else {"b": x[1], "a": x[0]}
+
+    assert _step(reordered)(torch.arange(4.0))["b"].outputs == [torch.tensor(1.0), torch.tensor(3.0)]
+
     def nested(x: torch.Tensor) -> Any:
         return x.sum(), [x] * int(x[0] + 1)
 
