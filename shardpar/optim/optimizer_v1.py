@@ -24,10 +24,11 @@ class OptimizerV1Mixin:
     last_grad_norm: torch.Tensor | None
     optimizer: torch.optim.Optimizer
 
-    def state_dict(self) -> dict[str, Any]:  # DistributedOptimizer's
+    # Declared for the type checker only: DistributedOptimizer defines both, and comes first in the MRO.
+    def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _originals(self) -> list[tuple[torch.Tensor, torch.Tensor]]:  # DistributedOptimizer's
+    def _originals(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         raise NotImplementedError
 
     def local_state_dict(self, cast_to_cpu: bool = False, gather_if_shard: bool = True) -> dict[str, Any]:
