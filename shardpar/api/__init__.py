@@ -63,9 +63,8 @@ from shardpar.api.p2p import broadcast, recv_from, send
 from shardpar.api.partition import partition, set_partition
 from shardpar.api.save import load, save
 from shardpar.api.step import StepOutput
+from shardpar.api.tp_registry import tp_register, tp_register_with_module
 from shardpar.api.training import (
-    DistributedModel,
-    DistributedOptimizer,
     delay_param_initialization,
     model_creation,
     register_parameter,
@@ -75,6 +74,7 @@ from shardpar.api.training import (
     step,
     tensor_parallelism,
 )
+from shardpar.api.wrappers import DistributedModel, DistributedOptimizer
 
 __all__ = [
     "DP_GROUP",
@@ -148,5 +148,7 @@ __all__ = [
     "step",
     "tensor_parallelism",
     "tp_rank",
+    "tp_register",
+    "tp_register_with_module",
     "tp_size",
 ]

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardpar.api.checkpoint_group import GroupCheckpoint, GroupFrame
+from shardpar.api.checkpoint_group import GroupCheckpoint, GroupFrame, without_kv_caches
 from shardpar.api.context import activation_offloader
 from shardpar.sharding.plan import CHECKPOINTED_BASE
 
@@ -73,10 +73,36 @@ def _each(preserve_rng_state: bool) -> _Call:
             return frame.run(0, module, run, args, kwargs)
         # Inside another checkpoint's recomputation this checkpoints again, as torch's nested checkpoints
         # do: the outer region saved none of this call's tensors in forward, so it must save none now.
-        # kwargs ride in the function, not through checkpoint(): names such as `debug` or `context_fn`
-        # would be taken as checkpoint's own options.
-        run = functools.partial(run, **kwargs)
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+        return checkpoint(
+            _recompute_without_caches(run, kwargs), *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
+        )
+
+    return call
+
+
+def _recompute_without_caches(run: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """`run` with `kwargs`; from its second call on -- the recomputation in backward -- with every Hugging
+    Face key/value cache among the arguments replaced by None.
+
+    [Note: caches in a recomputation]
+    A model called with use_cache=True (HF's default config) hands each layer a cache object that the
+    layer's forward appends to. The recomputation would append to it a second time and read it back
+    longer than in forward: T5's position bias and cross-attention then take another path, torch's
+    checkpoint sees other tensors saved and raises CheckpointError, and a decoder-only model would
+    attend over the forward's keys twice. The forward already wrote this layer's entry, and in training
+    the cache it started from is empty, so the recomputation without a cache computes what the forward
+    did. (transformers' own gradient checkpointing drops the cache for the same reason, forward included.)
+    kwargs ride in the function, not through checkpoint(): names such as `debug` or `context_fn` would be
+    taken as checkpoint's own options."""
+    calls = 0
+
+    def call(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return run(*args, **kwargs)
+        bare_args, bare_kwargs = without_kv_caches(args, kwargs)
+        return run(*bare_args, **bare_kwargs)
 
     return call
 

@@ -109,6 +109,20 @@ def _tensor_leaves(obj: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
+def is_kv_cache(value: object) -> bool:
+    """A Hugging Face key/value cache (transformers.cache_utils.Cache and its subclasses)."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(value).__mro__)
+
+
+def without_kv_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of a recomputation: every Hugging Face key/value cache replaced by None
+    ([Note: caches in a recomputation] in activation_checkpointing.py)."""
+    return (
+        tuple(None if is_kv_cache(a) else a for a in args),
+        {k: None if is_kv_cache(v) else v for k, v in kwargs.items()},
+    )
+
+
 class GroupFrame:
     """The checkpoint of one forward's calls of one group ([Note: group checkpoints])."""
 
@@ -234,6 +248,7 @@ class GroupFrame:
         ):
             for call in self.calls:
                 args, kwargs = pytree.tree_unflatten([self._input(call, i, previous) for i in call.inputs], call.spec)
+                args, kwargs = without_kv_caches(args, kwargs)  # [Note: caches in a recomputation]
                 if call.cpu_rng is not None:
                     torch.set_rng_state(call.cpu_rng)
                     if call.device_rng[0]:

@@ -23,6 +23,7 @@ import torch
 
 from shardpar.api.context import is_initialized, sdp_rank, sdp_size, tp_rank
 from shardpar.checkpoint import objects
+from shardpar.v1_notes import note_once
 
 _META_KEY = "shardpar.save"
 _FORMAT = "shardpar.save/1"
@@ -42,10 +43,26 @@ def _path(f: str | os.PathLike[str], partial: bool) -> Path:
 
 
 def save(
-    obj: Any, f: str | os.PathLike[str], partial: bool = True, pickle_module: Any = None, pickle_protocol: int = 2
+    obj: Any,
+    f: str | os.PathLike[str],
+    partial: bool = True,
+    pickle_module: Any = None,
+    pickle_protocol: int = 2,
+    v3: bool = False,
 ) -> None:
     """Save `obj` (tensors, numpy arrays, dicts/lists/tuples of them and plain values) to `f`, or to this
-    rank's partial file. `pickle_module` / `pickle_protocol` are SMP v1's and ignored: nothing is pickled."""
+    rank's partial file. `pickle_module` / `pickle_protocol` are SMP v1's and ignored: nothing is pickled.
+    v1's `v3=True` (each rdp rank's own optimizer piece, in `<f>_<pp>_<tp>_<rdp>`) is accepted with one
+    rank-0 log line: the file names stay this function's, and smp.load reads them back."""
+    if not isinstance(v3, bool):
+        raise TypeError(f"smp.save(v3={v3!r}): pass True or False")
+    if v3:
+        note_once(
+            "smp.save(v3=True)",
+            "the files are named as smp.save always names them (<f>_<tp_rank>, or <f>_<tp_rank>_<sdp_rank> when "
+            "parameters are sharded), not v1's <f>_<pp>_<tp>_<rdp>; read them with smp.load(f, partial=True), not "
+            "torch.load. Each rank's optimizer.local_state_dict() already holds only its own piece",
+        )
     tensors: dict[str, torch.Tensor] = {}
 
     def put(t: torch.Tensor, where: str) -> dict[str, str]:

@@ -7,6 +7,9 @@ While the step runs, each micro-batch's gradient is added into the main grads ti
 (whether the step calls `model.backward(loss)` or a plain `loss.backward()`; see [Note: micro-batch
 averaging] in model.py) and the accumulation boundary falls after the last micro-batch, so the
 gradients are the average over micro-batches -- the same as one backward on the whole batch.
+
+What the function returns comes back in its own structure with a StepOutput of the micro-batches'
+values in each place (SMP v1): `loss_mb, correct_mb = train_step(...)` for `return loss, correct`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import contextlib
 import functools
 import inspect
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,46 +29,95 @@ from shardpar.runtime.model import DistributedModel
 
 
 class StepOutput:
-    """The per-micro-batch return values of a step function."""
+    """One returned value of a step function across micro-batches: `outputs[i]` is micro-batch i's.
 
-    def __init__(self, outputs: list[Any]) -> None:
-        self.outputs = outputs
+    `@smp.step` returns the step function's own structure with a StepOutput in each place (SMP v1):
+    `return loss, correct` gives a tuple of two StepOutputs, a dict gives a dict of them. The
+    reductions follow v1's formulas: `reduce_mean` is the sum over micro-batches divided by their
+    number (so integer counts give a float mean), `reduce_sum` the sum; both also take plain numbers.
+    `concat` / `stack` join tensors along dim 0 / a new dim 0."""
 
-    def _tensors(self) -> list[torch.Tensor]:
-        if not all(isinstance(o, torch.Tensor) for o in self.outputs):
-            kinds = sorted({type(o).__name__ for o in self.outputs})
-            raise TypeError(f"StepOutput reductions need tensor outputs, got {kinds}; use .outputs")
+    def __init__(self, outputs: list[Any] | tuple[Any, ...]) -> None:
+        if not isinstance(outputs, (list, tuple)):
+            raise TypeError(f"StepOutput takes a list of per-micro-batch values, got {type(outputs).__name__}")
+        self.outputs = list(outputs)
+
+    def _kinds(self) -> list[str]:
+        return sorted({type(o).__name__ for o in self.outputs})
+
+    def _tensors(self, what: str) -> list[torch.Tensor]:
+        if not self.outputs or not all(isinstance(o, torch.Tensor) for o in self.outputs):
+            raise TypeError(
+                f"StepOutput.{what}() joins tensors, but the micro-batches returned {self._kinds()}; "
+                "return tensors from the step function, or read the values from .outputs"
+            )
         return [o.detach() for o in self.outputs]
 
-    def reduce_mean(self) -> torch.Tensor:
-        """Mean over micro-batches."""
-        return torch.stack(self._tensors()).mean(dim=0)
+    def _summable(self, what: str) -> list[Any]:
+        if self.outputs and all(isinstance(o, torch.Tensor) for o in self.outputs):
+            return [o.detach() for o in self.outputs]
+        if self.outputs and all(isinstance(o, (int, float)) for o in self.outputs):
+            return self.outputs
+        raise TypeError(
+            f"StepOutput.{what}() sums tensors or numbers, but the micro-batches returned {self._kinds()}; "
+            "read the values from .outputs"
+        )
 
-    def reduce_sum(self) -> torch.Tensor:
-        return torch.stack(self._tensors()).sum(dim=0)
+    def reduce_mean(self) -> Any:
+        """Mean over micro-batches (v1: their sum / their number)."""
+        values = self._summable("reduce_mean")
+        return _sum(values) / len(values)
+
+    def reduce_sum(self) -> Any:
+        return _sum(self._summable("reduce_sum"))
 
     def concat(self) -> torch.Tensor:
-        return torch.cat(self._tensors(), dim=0)
+        return torch.cat(self._tensors("concat"), dim=0)
 
     def stack(self) -> torch.Tensor:
-        return torch.stack(self._tensors())
+        return torch.stack(self._tensors("stack"))
+
+    def map(self, func: Callable[[Any], Any]) -> StepOutput:
+        """v1: apply `func` to each micro-batch's value, in place; returns this StepOutput."""
+        self.outputs = [func(o) for o in self.outputs]
+        return self
 
     def __len__(self) -> int:
         return len(self.outputs)
 
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.outputs)
+
     def __getitem__(self, key: Any) -> Any:
-        """`out[i]`: micro-batch i's output. `out["loss"]` (outputs that are dicts, as SMP v1 returned
-        them): a StepOutput of that entry across micro-batches, so `out["loss"].reduce_mean()` works."""
-        if isinstance(key, int) and not all(isinstance(o, Mapping) for o in self.outputs):
+        """`out[i]`: micro-batch i's value. `out["loss"]` where each micro-batch's value is a dict: a
+        StepOutput of that entry across micro-batches (a StepOutput built from dicts by hand)."""
+        if isinstance(key, (int, slice)) and not all(isinstance(o, Mapping) for o in self.outputs):
             return self.outputs[key]
         if not all(isinstance(o, Mapping) for o in self.outputs):
-            kinds = sorted({type(o).__name__ for o in self.outputs})
-            raise TypeError(f"StepOutput[{key!r}]: the step returned {kinds}, not dicts; index micro-batches by int")
+            raise TypeError(
+                f"StepOutput[{key!r}]: the step returned {self._kinds()}, not dicts; index micro-batches by int"
+            )
         return StepOutput([o[key] for o in self.outputs])
 
     def detach(self) -> StepOutput:
         """The same outputs, tensors detached from the graph (SMP v1)."""
         return StepOutput([_detached(o) for o in self.outputs])
+
+    def __repr__(self) -> str:
+        return f"StepOutput({self.outputs!r})"
+
+
+def _sum(values: list[Any]) -> Any:
+    """v1's `sum(outputs)`; for tensors one stacked sum (the same value, one kernel)."""
+    if isinstance(values[0], torch.Tensor):
+        try:
+            return torch.stack(values).sum(dim=0)
+        except RuntimeError:  # shapes that only broadcast: add them one by one, as v1's sum() did
+            pass
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total
 
 
 def find_empty(obj: Any, where: str = "") -> tuple[str, tuple[int, ...]] | None:
@@ -109,6 +161,13 @@ def check_not_empty(args: tuple[Any, ...], kwargs: Mapping[str, Any], rank: int 
 def split_batch(obj: Any, num: int, axis: int = 0) -> list[Any]:
     """`num` micro-batches of `obj` (tensors split on `axis`; containers recursed; objects with SMP v1's
     `smp_slice(num_mb, mb, axis)` sliced by it; others repeated)."""
+    if isinstance(obj, StepOutput):  # SMP v1: an earlier step's output passes micro-batch i to micro-batch i
+        if len(obj) != num:
+            raise ValueError(
+                f"@smp.step got a StepOutput of {len(obj)} micro-batches as an argument, but runs {num} micro-batches; "
+                "pass it to a step with the same microbatches, or pass .concat() / .outputs instead"
+            )
+        return list(obj.outputs)
     smp_slice = getattr(obj, "smp_slice", None)
     if smp_slice is not None and not isinstance(obj, torch.Tensor) and callable(smp_slice):
         return [smp_slice(num, i, axis) for i in range(num)]
@@ -158,7 +217,7 @@ def make_step(
     find_model: Callable[[], DistributedModel | None],
     microbatches: Callable[[], int],
     options: StepOptions = StepOptions(),
-) -> Callable[..., StepOutput]:
+) -> Callable[..., Any]:
     signature = inspect.signature(fn)
     for name in (*options.non_split_inputs, *options.input_split_axes):
         if name not in signature.parameters:
@@ -177,7 +236,7 @@ def make_step(
         return split_batch(value, num, options.input_split_axes.get(name, 0))
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> StepOutput:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         model = next((a for a in (*args, *kwargs.values()) if isinstance(a, DistributedModel)), None)
         model = model or find_model()
         num = microbatches()
@@ -197,9 +256,58 @@ def make_step(
                 call.arguments.update({k: v[i] for k, v in parts.items()})
                 out = fn(*call.args, **call.kwargs)
                 outputs.append(_detached(out) if options.detach_outputs else out)
-        return StepOutput(outputs)
+        if model is not None:
+            model.run_post_step_hooks()
+        return as_step_output(outputs)
 
     return wrapper
+
+
+def as_step_output(outputs: list[Any], where: str = "the step function's return value") -> Any:
+    """SMP v1's return structure: the step function's own structure (tuples -- namedtuples kept --,
+    lists, dicts, nested) with a StepOutput of the micro-batches' values in each place. What is not a
+    tuple, list or mapping -- a tensor, a number, None, any other object -- is a place. The micro-batches
+    must return the same structure (the same keys, the same lengths)."""
+    first = outputs[0]
+    if isinstance(first, (list, tuple)) and not isinstance(first, torch.Size):
+
+        def same_length(o: Any) -> bool:
+            return isinstance(o, type(first)) and len(o) == len(first)
+
+        _check_same(outputs, where, same_length, f"of {len(first)}")
+        items = [as_step_output([o[i] for o in outputs], f"{where}[{i}]") for i in range(len(first))]
+        return _rebuild_sequence(first, items)
+    if isinstance(first, Mapping):
+        keys = list(first.keys())
+
+        def same_keys(o: Any) -> bool:  # in any order
+            return isinstance(o, Mapping) and len(o) == len(keys) and all(k in o for k in keys)
+
+        _check_same(outputs, where, same_keys, f"keys {keys}")
+        built = {k: as_step_output([o[k] for o in outputs], f"{where}[{k!r}]") for k in keys}
+        return _rebuild_mapping(first, built)
+    return StepOutput(outputs)
+
+
+def _rebuild_sequence(like: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
+    """`items` in a sequence of `like`'s type where it can be built from them, else a plain tuple/list."""
+    cls: Any = type(like)
+    try:
+        return cls(*items) if hasattr(like, "_fields") else cls(items)  # a namedtuple takes its fields as arguments
+    except TypeError:
+        return tuple(items) if isinstance(like, tuple) else items
+
+
+def _check_same(outputs: list[Any], where: str, same: Callable[[Any], bool], shape: str) -> None:
+    for i, o in enumerate(outputs):
+        if not same(o):
+            got = f"{type(o).__name__} of {len(o)}" if isinstance(o, (list, tuple, Mapping)) else type(o).__name__
+            keys = f" with keys {list(o.keys())}" if isinstance(o, Mapping) else ""
+            raise ValueError(
+                f"@smp.step: micro-batch 0 returned a {type(outputs[0]).__name__} ({shape}) as {where}, micro-batch "
+                f"{i} a {got}{keys}; every micro-batch must return the same structure (the same keys and lengths), "
+                "so that each place holds one value per micro-batch"
+            )
 
 
 def _detached(obj: Any) -> Any:

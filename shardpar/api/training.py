@@ -1,6 +1,6 @@
-"""The `smp` facade, training half: DistributedModel, DistributedOptimizer, step, register_parameter,
-tensor_parallelism, delay_param_initialization and checkpoints. The process-wide state these read
-and fill lives in context.py.
+"""The `smp` facade, training half: step, register_parameter, tensor_parallelism, model_creation,
+delay_param_initialization and checkpoints (DistributedModel and DistributedOptimizer, classes, are in
+wrappers.py). The process-wide state these read and fill lives in context.py.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,18 +17,13 @@ from torch import nn
 
 from shardpar import checkpoint as _checkpoint
 from shardpar.api.context import _REGISTERED, _TP_MARKS, state
-from shardpar.api.same_model import check_same_model
-from shardpar.api.step import StepOptions, StepOutput, make_step
-from shardpar.checkpoint.torch_state_dict import install as install_torch_state_dict
-from shardpar.optim.loss_scaling import make_loss_scaler
+from shardpar.api.step import StepOptions, make_step
+from shardpar.checkpoint.torch_file import load_torch_file
 from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
-from shardpar.runtime.materialize import refuse_nested
 from shardpar.runtime.model import DistributedModel as _DistributedModel
 from shardpar.sharding.deferred_init import deferred_init
-from shardpar.sharding.plan import WrapPolicy
-from shardpar.tensor_parallel.layers import TPLayer, tp_split_table
 from shardpar.tensor_parallel.marks import TPOptions
-from shardpar.tensor_parallel.marks import prepare_model as prepare_tensor_parallel
+from shardpar.v1_notes import note_once
 
 # ---- model, optimizer, step ----------------------------------------------------------------------
 
@@ -39,98 +35,6 @@ def register_parameter(module: nn.Module, param: nn.Parameter) -> None:
     params = _REGISTERED.setdefault(module, [])
     if all(p is not param for p in params):
         params.append(param)
-
-
-# SMP v1's DistributedModel arguments that tuned its tracer or its DDP wrapper: accepted with their v1
-# types, changing nothing here (there is no tracer, and shardpar's reducer is not DDP's).
-_V1_MODEL_ARGS: dict[str, tuple[tuple[type, ...], str]] = {
-    "trace_device": ((str,), "'cpu' or 'gpu'"),
-    "trace_execution_times": ((bool,), "true or false"),
-    "trace_memory_usage": ((bool,), "true or false"),
-    "overlapping_allreduce": ((bool,), "true or false"),
-    "bucket_cap_mb": ((int, float), "a number of MB > 0"),
-    "gradient_as_bucket_view": ((bool,), "true or false"),
-}
-
-
-def _check_v1_model_args(args: dict[str, Any]) -> None:
-    for name, value in args.items():
-        if name not in _V1_MODEL_ARGS:
-            raise TypeError(
-                f"smp.DistributedModel got an unexpected keyword argument {name!r}; it takes backward_passes_per_step, "
-                f"wrap, tensor_parallelism, average_grads_across_microbatches, broadcast_buffers and v1's "
-                f"{sorted(_V1_MODEL_ARGS)}"
-            )
-        types, valid = _V1_MODEL_ARGS[name]
-        ok = isinstance(value, types) and (not isinstance(value, bool) or bool in types)
-        ok = ok and (name != "trace_device" or value in ("cpu", "gpu")) and (name != "bucket_cap_mb" or value > 0)
-        if not ok:
-            raise ValueError(f"smp.DistributedModel({name}={value!r}): must be {valid}, as in SageMaker v1")
-
-
-def DistributedModel(
-    module: nn.Module,
-    *,
-    backward_passes_per_step: int = 1,
-    wrap: WrapPolicy = None,
-    tensor_parallelism: bool = False,
-    average_grads_across_microbatches: bool = True,
-    broadcast_buffers: bool = True,
-    **v1_args: Any,
-) -> _DistributedModel:
-    """Shard `module` over the sharding group (reference 003); returns the wrapped model.
-
-    With `tensor_parallelism=True`, or for a model built under `smp.tensor_parallelism()`, the Hugging
-    Face model's blocks and embeddings are first split in place over the TP group; each TP rank then
-    shards its local parameters inside its sharding group (docs/tensor_parallelism.md).
-    `average_grads_across_microbatches=False` sums the micro-batches' gradients under `@smp.step`
-    (SMP v1; for a loss that sums over samples). `broadcast_buffers` (SMP v1 / DDP): rank 0's buffers
-    reach every data-parallel rank at wrapping and before each forward that records a graph
-    (runtime/buffers.py); False leaves each rank's own. SMP v1's tracer and DDP arguments
-    (`trace_device`, `overlapping_allreduce`, `bucket_cap_mb`, ...) are accepted and change nothing.
-    """
-    if not isinstance(broadcast_buffers, bool):
-        raise ValueError(f"smp.DistributedModel(broadcast_buffers={broadcast_buffers!r}): must be True or False")
-    _check_v1_model_args(v1_args)
-    if not isinstance(average_grads_across_microbatches, bool):
-        raise ValueError(
-            f"average_grads_across_microbatches={average_grads_across_microbatches!r} must be True or False"
-        )
-    st = state()
-    if isinstance(module, _DistributedModel):
-        raise ValueError("the module is already a DistributedModel; wrap the plain module once")
-    refuse_nested(module)  # before any collective reads its (sharded) parameters
-    check_same_model(module, st.topology.group("world"))
-    module = prepare_tensor_parallel(
-        module,
-        requested=tensor_parallelism,
-        marks=_TP_MARKS,
-        topology=st.topology,
-        engine=st.engine,
-    )
-    registered = {id(m): list(ps) for m, ps in _REGISTERED.items()}
-    model = _DistributedModel(
-        module.to(st.device) if not _has_meta_tensors(module) else module,
-        config=st.config,
-        topology=st.topology,
-        engine=st.engine,
-        backward_passes_per_step=backward_passes_per_step,
-        wrap=wrap,
-        registered=registered,
-        device=st.device,
-        premade=[p for m in module.modules() if isinstance(m, TPLayer) for p in m.parameters()],
-        average_grads_across_microbatches=average_grads_across_microbatches,
-        find_optimizer=lambda: st.optimizer,
-        tp_splits=tp_split_table(module) if st.topology.tp.size > 1 else None,
-        broadcast_buffers=broadcast_buffers,
-    )
-    st.model = model
-    install_torch_state_dict()  # torch.distributed.checkpoint.state_dict's functions take it (idempotent)
-    return model
-
-
-def _has_meta_tensors(module: nn.Module) -> bool:
-    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
 def tensor_parallelism(
@@ -189,6 +93,21 @@ def _check_kernel_switches(where: str, switches: Mapping[str, Any]) -> None:
         )
 
 
+# v1's model_creation options whose v1 meaning cannot apply here: what happens instead, logged once.
+_V1_CREATION_NOTES = {
+    "zero_init": "parameters are sharded when smp.DistributedModel wraps the model (v1 partitioned them at creation "
+    "with DeepSpeed's zero.Init); set delayed_parameter_initialization=True to create no parameter memory before",
+    "distribute_embedding": "under tensor parallelism the embeddings and LM head are always split over the TP group "
+    "(docs/tensor_parallelism.md); otherwise they are sharded like every other parameter",
+    "use_alibi": "not applied: the Hugging Face model keeps its own position encoding (ALiBi was an option of v1's "
+    "DistributedTransformer, which shardpar does not have); choose a model whose config uses ALiBi instead",
+    "fp32_residual_addition": "not applied: the residual additions run in the compute dtype, as the Hugging Face "
+    "modules are written (an option of v1's DistributedTransformer)",
+    "flash_attention": "nothing to switch: Hugging Face attention calls torch's scaled_dot_product_attention, which "
+    "runs a flash kernel where the device has one",
+}
+
+
 @contextlib.contextmanager
 def model_creation(
     tensor_parallelism: bool = False, dtype: torch.dtype | None = None, **tensor_parallel_config: Any
@@ -197,7 +116,15 @@ def model_creation(
     model created in `dtype` (default: torch's default dtype), and -- when the config sets
     `delayed_parameter_initialization` -- `smp.delay_param_initialization()`, so no parameter memory
     is made. `vocab_parallel_loss=` is passed on to tensor parallelism; v1's kernel switches
-    (`attention_in_fp32`, `fused_*`, ...) are accepted and change nothing (see migration.md)."""
+    (`attention_in_fp32`, `fused_*`, ...) are accepted and change nothing (see migration.md), and v1's
+    `zero_init`, `distribute_embedding`, `use_alibi`, `fp32_residual_addition` and `flash_attention`
+    are accepted with one rank-0 log line saying what happens here instead (_V1_CREATION_NOTES)."""
+    for name in set(tensor_parallel_config) & set(_V1_CREATION_NOTES):
+        value = tensor_parallel_config.pop(name)
+        if not isinstance(value, bool):
+            raise TypeError(f"smp.model_creation({name}={value!r}): pass True or False, as in SageMaker v1")
+        if value:
+            note_once(f"smp.model_creation({name}=True)", _V1_CREATION_NOTES[name])
     _check_kernel_switches(
         "smp.model_creation", {k: v for k, v in tensor_parallel_config.items() if k != "vocab_parallel_loss"}
     )
@@ -220,35 +147,6 @@ def model_creation(
         yield
 
 
-def DistributedOptimizer(
-    optimizer: torch.optim.Optimizer,
-    static_loss_scale: float | None = 1.0,
-    dynamic_loss_scale: bool = False,
-    dynamic_loss_args: dict[str, Any] | None = None,
-    *,
-    model: _DistributedModel | None = None,
-) -> _DistributedOptimizer:
-    """Re-point `optimizer` at the local main shards. Clipping (sdp_gradient_clipping) and, with fp16,
-    loss scaling run inside step(): static, or dynamic with `dynamic_loss_args` keys init_scale,
-    scale_factor, scale_window, min_scale, delayed_shift, consecutive_hysteresis."""
-    st = state()
-    model = model or st.model
-    if model is None:
-        raise ValueError("smp.DistributedOptimizer needs a model: call smp.DistributedModel(model) first")
-    scaler = make_loss_scaler(
-        model.policy,
-        static_loss_scale=static_loss_scale,
-        dynamic_loss_scale=dynamic_loss_scale,
-        dynamic_loss_args=dynamic_loss_args,
-    )
-    splits = tp_split_table(model.module) if model.topology.tp.size > 1 else None  # the grad norm's TP rule
-    opt = _DistributedOptimizer(
-        optimizer, model, clip_norm=st.config.sdp_gradient_clipping, loss_scaler=scaler, tp_splits=splits
-    )
-    st.optimizer = opt
-    return opt
-
-
 def step(
     fn: Callable[..., Any] | None = None,
     *,
@@ -259,14 +157,15 @@ def step(
     """Decorator, `@smp.step` or SMP v1's `@smp.step(non_split_inputs=..., input_split_axes=...,
     detach_outputs=True)`: run the function once per micro-batch (config `microbatches`), splitting
     every argument on its batch axis (0 unless `input_split_axes` names another) except modules and
-    `non_split_inputs`, and return a StepOutput."""
+    `non_split_inputs`, and return the function's structure (tuples, lists, dicts, nested) with a
+    StepOutput of the micro-batches' values in each place, as SMP v1 did."""
     options = StepOptions(
         non_split_inputs=tuple(non_split_inputs or ()),
         input_split_axes=dict(input_split_axes or {}),
         detach_outputs=detach_outputs,
     )
 
-    def decorate(f: Callable[..., Any]) -> Callable[..., StepOutput]:
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(f):
             raise TypeError(f"@smp.step decorates a function, got {f!r}")
         return make_step(
@@ -350,6 +249,8 @@ def resume_from_checkpoint(
     """Load the checkpoint `tag` (None: the newest) into the model and optimizer built before this
     call, resharding when the topology changed; returns the saved user_content. A re-save that
     crashed between its two renames is undone first ([Note: re-saving a tag] in checkpoint/atomic.py).
+    With `partial=False`, a file (`path/tag`, or `path` without a tag) is read as SMP v1's `fullmodel.pt`:
+    a `torch.save`d state dict, loaded weights-only into the model (checkpoint/torch_file.py).
     SMP v1's `load_sharded_optimizer_state` and `translate_function` are accepted at their defaults."""
     if load_sharded_optimizer_state is not True:
         raise ValueError(
@@ -366,6 +267,16 @@ def resume_from_checkpoint(
     st = state()
     if st.model is None:
         raise ValueError("smp.resume_from_checkpoint needs the DistributedModel (and optimizer) built first")
+    file = Path(path) / tag if tag is not None else Path(path)
+    if file.is_file():  # SMP v1's --fine_tune: a torch.save of the full state dict
+        if partial:
+            raise ValueError(
+                f"smp.resume_from_checkpoint({str(path)!r}, tag={tag!r}): {file} is a file, and a partial checkpoint "
+                "is a directory written by smp.save_checkpoint; to load a full model saved with torch.save (SMP "
+                "v1's fullmodel.pt), pass partial=False"
+            )
+        load_torch_file(file, st.model, strict)
+        return None
     return _checkpoint.resume_from_checkpoint(
         path,
         tag,

@@ -22,13 +22,14 @@ from shardpar.optim.kinds import check_optimizer
 from shardpar.optim.loss_scaling import LossScaler, ScalerResume, StaticLossScaler, plan_scaler_resume
 from shardpar.optim.nonfinite import NonFiniteGuard, gather_culprits
 from shardpar.optim.nonfinite import log as nonfinite_log
+from shardpar.optim.optimizer_v1 import OptimizerV1Mixin
 from shardpar.precision import precision_name
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.state import Piece
 from shardpar.sharding.tp_split import TPSplit
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
     """A torch.optim.Optimizer (so LR schedulers accept it) that delegates to the wrapped optimizer.
 
     `Optimizer.__init__` is deliberately not called: param groups, state and defaults are the inner
@@ -280,9 +281,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """This rank's optimizer state (for its shards) in torch.optim's format, plus the loss scaler."""
         return {**self.optimizer.state_dict(), "loss_scaler": self.loss_scaler_state()}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], gather_if_shard: bool = True) -> None:
         """Load `state_dict()`; the loss scaler follows [Note: loss scaler on resume] (loss_scaling.py),
-        decided (and a malformed scaler state rejected) before anything is loaded."""
+        decided (and a malformed scaler state rejected) before anything is loaded. SMP v1's
+        `gather_if_shard` changes nothing (local_state_dict never gathers: each rank loads its own)."""
         state = dict(state_dict)
         state.pop("_smp_is_partial", None)  # SMP v1's marker on local_state_dict()
         scaler = state.pop("loss_scaler", None)
@@ -292,10 +294,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.load_loss_scaler_state(scaler, plan)
 
     # ---- SMP v1 ----------------------------------------------------------------------------------
-
-    def local_state_dict(self) -> dict[str, Any]:
-        """SMP v1: this rank's optimizer state (`state_dict()` is already this rank's), marked partial."""
-        return {**self.state_dict(), "_smp_is_partial": True}
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """SMP v1 (fp16 scripts call it before `step()`): clip the fp32 main grads by their global L2

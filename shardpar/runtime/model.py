@@ -21,6 +21,7 @@ from torch import nn
 from shardpar.collectives import Engine
 from shardpar.config import Config
 from shardpar.precision import DtypePolicy
+from shardpar.runtime.boundary_cast import call_in_compute_dtype
 from shardpar.runtime.buffers import BufferSync
 from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
@@ -75,6 +76,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         )
         self._find_optimizer = find_optimizer  # for post-partition hooks (the facade's optimizer)
         self._post_partition_hooks: OrderedDict[int, Callable[[Any, Any], None]] = OrderedDict()  # weakref-able
+        self._post_step_hooks: OrderedDict[int, Callable[[Any, Any], None]] = OrderedDict()
         refuse_nested(module)
         if config.delayed_parameter_initialization:
             check_nothing_materialised(module, premade=premade)
@@ -377,7 +379,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._post_partition_hooks:
             self._run_post_partition_hooks()
-        return self.module(*args, **kwargs)
+        return call_in_compute_dtype(self.module, self.policy.compute, args, kwargs)
 
     @property
     def nonfinite_losses(self) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """DistributedModel's SageMaker model parallel v1 surface: `partitioned`, `get_module`, the local_*
-views and post-partition hooks (docs/migration.md lists each name).
+views and post-partition and post-step hooks (docs/migration.md lists each name).
 
 A mixin, listed before nn.Module in DistributedModel's bases (runtime/model.py); it owns none of the
 attributes it reads -- DistributedModel.__init__ sets them, and its `forward` runs the hooks."""
@@ -22,6 +22,7 @@ class V1Mixin(nn.Module):
     module: nn.Module
     _find_optimizer: Callable[[], Any]  # for post-partition hooks (the facade's optimizer)
     _post_partition_hooks: OrderedDict[int, Callable[[Any, Any], None]]
+    _post_step_hooks: OrderedDict[int, Callable[[Any, Any], None]]
 
     def get_module(self) -> nn.Module:
         """SMP v1: the wrapped module (`model.module`)."""
@@ -64,6 +65,31 @@ class V1Mixin(nn.Module):
     def _run_post_partition_hooks(self) -> None:
         hooks = list(self._post_partition_hooks.values())
         self._post_partition_hooks.clear()  # once, even if one raises
+        optimizer = self._find_optimizer()
+        for hook in hooks:
+            hook(self, optimizer)
+
+    def register_post_step_hook(self, hook: Callable[[Any, Any], None]) -> RemovableHandle | None:
+        """SMP v1: `hook(model, optimizer)` once the model is partitioned and its optimizer exists -- at
+        once (returning None) when an smp.DistributedOptimizer of this model exists, as v1 did after its
+        first step; otherwise after the next `@smp.step` call, returning a handle whose `remove()` cancels
+        it. Scripts load optimizer state this way."""
+        if not callable(hook):
+            raise TypeError(f"register_post_step_hook needs a callable hook(model, optimizer), got {hook!r}")
+        optimizer = self._find_optimizer()
+        if optimizer is not None and getattr(optimizer, "model", None) is self:
+            hook(self, optimizer)
+            return None
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle
+
+    def run_post_step_hooks(self) -> None:
+        """Called by `@smp.step` after its micro-batches: the hooks registered before, once each."""
+        if not self._post_step_hooks:
+            return
+        hooks = list(self._post_step_hooks.values())
+        self._post_step_hooks.clear()
         optimizer = self._find_optimizer()
         for hook in hooks:
             hook(self, optimizer)

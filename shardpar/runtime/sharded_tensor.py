@@ -38,6 +38,7 @@ import torch
 import torch.optim.optimizer as _optim_impl
 import torch.utils._foreach_utils as _foreach_impl
 
+from shardpar.runtime import deepspeed_views
 from shardpar.runtime.shard_layout import ShardComm, ShardLayout, refusal
 from shardpar.runtime.sharded_gather import full_value
 from shardpar.runtime.sharded_reductions import finish_norm, norm_parts, reduce_scalars
@@ -118,6 +119,17 @@ class ShardedTensor(torch.Tensor):
         """DTensor's `full_tensor()`: a plain tensor of the global shape with every rank's values (a
         collective over the sharding and TP groups: every rank calls it, as with DTensor)."""
         return full_value(self._local, self._layout)
+
+    # SMP v1's DeepSpeed names (AWS's templates read them when sdp > 1): deepspeed_views.py.
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        """This rank's partition of the parameter (a 1-D view with `.ds_numel`)."""
+        return deepspeed_views.ds_tensor(self._local, self._layout)
+
+    @property
+    def ds_param_shard_group(self) -> Any:
+        """The torch.distributed process group this parameter's partitions split over."""
+        return deepspeed_views.process_group(self._layout.comm.sharding)
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]

@@ -3,6 +3,7 @@ helpers (issue 22, item 4) on 4 gloo ranks with tensor_parallel_degree 2."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.multiproc import v1_api_cases
@@ -49,3 +50,16 @@ def test_every_member_broadcasting_without_src_is_an_error_not_a_hang(ranks) -> 
     for r in ranks.run(2, v1_api_cases.everyone_broadcasts_case):
         seconds, msg = r.split(" ", 1)
         assert float(seconds) < 10.0 and "pass src=<global rank>" in msg, r
+
+
+def test_the_sdp_templates_step_outputs_and_deepspeed_views(ranks) -> None:
+    """Issue 30: a tuple return under @smp.step keeps its places across 2 micro-batches, and AWS's
+    sdp_utils.py norms (per-rank partitions AllReduced over ds_param_shard_group) are each parameter's
+    full norm, for sharded and persistent parameters alike, from the live fp32 buffers after a step."""
+    for r in ranks.run(2, v1_api_cases.template_sdp_case):
+        assert len(r["losses"]) == 2 and r["mean"] == pytest.approx(sum(r["losses"]) / 2)
+        assert r["correct"][1] == torch.int64 and 0 <= r["correct"][0] <= 4 * 15
+        assert r["persistent"] and r["grad_norm"] > 0
+        for name, (from_buffer, from_ds_tensor) in r["norms"].items():
+            assert from_buffer == pytest.approx(r["full"][name], rel=1e-5), name
+            assert from_ds_tensor == pytest.approx(r["full"][name], rel=1e-5), name

@@ -139,3 +139,47 @@ def everyone_broadcasts_case() -> str:
     except ValueError as exc:
         return f"{time.monotonic() - start:.1f} {exc}"
     return "returned"
+
+
+def template_sdp_case() -> dict[str, Any]:
+    """AWS's sdp template on 2 ranks at sdp 2 (issue 30): `loss_mb, correct_mb = train_step(...)` from a
+    tuple return, then its sdp_utils.py -- param_id_to_offset from `p.ds_tensor.ds_numel`, buffers narrowed
+    from `optimizer.fp32_partitioned_groups_flat`, squared norms AllReduced over
+    `optimizer.ds_param_shard_group` -- against each parameter's full norm (persistent biases included)."""
+    from tests import models
+
+    smp.init({"sharded_data_parallel_degree": 2, "microbatches": 2, "sdp_param_persistence_threshold": 100})
+    model = smp.DistributedModel(models.tiny_neox())
+    groups = [{"params": [p for _, p in model.module.named_parameters()]}]
+    params = list(groups[0]["params"])
+    offsets = {id(p): sum(q.ds_tensor.ds_numel for q in params[:i]) for i, p in enumerate(params)}
+    opt = smp.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    flat = opt.fp32_partitioned_groups_flat[0]
+    buffers = {id(p): flat.narrow(0, offsets[id(p)], p.ds_tensor.ds_numel) for p in params}
+
+    @smp.step
+    def train_step(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(**batch)
+        model.backward(out.loss)
+        correct = (out.logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]).sum()
+        return out.loss, correct
+
+    rank = smp.rank()
+    batch = {k: v[4 * rank : 4 * rank + 4] for k, v in models.lm_batch(0, 8).items()}
+    loss_mb, correct_mb = train_step(model, batch)
+    opt.step()
+    norms = {}
+    for name, p in model.named_parameters():
+        sq = torch.stack([torch.linalg.norm(buffers[id(p)]) ** 2, torch.linalg.norm(p.ds_tensor.data) ** 2])
+        torch.distributed.all_reduce(sq, group=opt.ds_param_shard_group)
+        norms[name] = sq.sqrt().tolist()
+    full = {n: torch.linalg.norm(t).item() for n, t in model.state_dict().items() if n in norms}
+    return {
+        "losses": [t.item() for t in loss_mb.outputs],
+        "mean": loss_mb.reduce_mean().item(),
+        "correct": (correct_mb.reduce_sum().item(), correct_mb.outputs[0].dtype),
+        "norms": norms,
+        "full": full,
+        "persistent": [n for n, p in model.named_parameters() if not p.shard_layout.sharded],
+        "grad_norm": float(opt._global_grad_norm),
+    }

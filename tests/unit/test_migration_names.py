@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 STATUSES = ("same", "different", "not provided")
 
 # Every name of SMP v1's PyTorch API documentation (common API, PyTorch API, tensor-parallel API) and
-# every `smp.` name of AWS's published v1 example scripts: the tables must list each.
+# every `smp.` name of AWS's published v1 example scripts -- with the DeepSpeed attributes their
+# sharded-data-parallel templates read (sdp_utils.py: `param.` is a parameter of model.parameters()):
+# the tables must list each.
 V1_DOCUMENTED = re.findall(
     r"\S+",
     """
@@ -59,6 +61,8 @@ smp.nn.huggingface.gptj.translate_state_dict_to_hf_gptj
 smp.nn.huggingface.gptj.translate_hf_state_dict_to_smdistributed_gptj
 smp.nn.huggingface.gptneo.translate_state_dict_to_hf_gptneo
 smp.nn.huggingface.gptneo.translate_hf_state_dict_to_smdistributed_gptneo
+smp.model.DistributedModel StepOutput.map model.register_post_step_hook param.ds_tensor param.ds_param_shard_group
+optimizer._global_grad_norm optimizer.ds_param_shard_group optimizer.fp32_partitioned_groups_flat
 """,
 )
 
@@ -137,7 +141,12 @@ def instances(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[dict[str, Any]
     with init_world_of_one(monkeypatch_module):
         model = smp.DistributedModel(models.tiny_neox())
         optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        yield {"model": model, "optimizer": optimizer, "StepOutput": smp.StepOutput([torch.zeros(1)])}
+        yield {
+            "model": model,
+            "optimizer": optimizer,
+            "StepOutput": smp.StepOutput([torch.zeros(1)]),
+            "param": next(iter(model.parameters())),
+        }
 
 
 @pytest.fixture(scope="module")
