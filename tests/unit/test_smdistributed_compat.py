@@ -160,11 +160,6 @@ def test_an_unedited_v1_script_trains_with_transformers_smp_helpers(v1_script_re
     assert r["gathered_rows_are_the_batch"]  # smp_gather: smp.allgather over smp.CommGroup.DP_GROUP
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 30 item 1 (branch v1): @smp.step must return a dict of StepOutputs for a dict-like output; "
-    "until it does, transformers' prediction_step cannot split loss and logits",
-)
 def test_transformers_smp_evaluation_runs(v1_script_result: dict) -> None:
     evaluation = v1_script_result["evaluation"]
     assert "error" not in evaluation, evaluation
