@@ -137,6 +137,7 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
             reducer=self.reducer,
             window=self.window,
             unit_of_param=self._unit_of_param,
+            unit_of_persistent=unit_of_persistent,
             user_params=self.user_params,
             on_window_end=self._agree_on_unused_params,
             on_backward_end=self._publish_grads,

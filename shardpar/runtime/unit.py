@@ -109,8 +109,9 @@ class Unit:
         # The hold this unit's own hold of each kind puts on the units it borrows from.
         self.lent_holds = {kind: Hold(kind, borrower=index) for kind in HoldKind}
         self.deps: list[Unit] = []  # units whose parameters this unit's forward uses
-        # Forward calls of this unit whose inputs have not all got their gradient yet ([Note: holders]).
-        self.borrow_calls = 0
+        # Tokens of the graph-recording calls of this unit whose inputs have not all got their gradient
+        # yet, and whose graph is still alive ([Note: holders]; [Note: frozen units' backward] in hooks.py).
+        self.open_calls: set[int] = set()
         self._full: torch.Tensor | None = None  # what the parameters view while unsharded
         self._gathered: torch.Tensor | None = None  # sdp > 1: [Note: gathered storage]
         self._gather_work: Work | None = None
