@@ -163,7 +163,7 @@ class Scheduler:
     def _size_if_gathered(self, unit: Unit) -> int:
         """Elements gathering `unit` (and its borrowed units) adds, with a hierarchical gather's scratch."""
         todo = [u for u in (unit, *unit.deps) if u.state is UnitState.SHARDED]
-        return sum(u.layout.padded_numel + u.comm.gather_scratch(u.layout.padded_numel) for u in todo)
+        return sum(u.gathered_numel + u.comm.gather_scratch(u.gathered_numel) for u in todo)
 
     def _make_room(self, unit: Unit) -> None:
         need = self._size_if_gathered(unit)

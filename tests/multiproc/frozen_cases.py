@@ -8,6 +8,7 @@ only. Before issue 33 each stayed gathered from its backward to the end of backw
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,3 +113,65 @@ def _freed_before_last_gather(trace: list[tuple[str, int, int]]) -> int:
     if not gathers:
         return 0
     return sum(1 for i, (_, delta, _) in enumerate(trace) if delta < 0 and i < gathers[-1])
+
+
+def _neox_lora(bf16_base: bool) -> nn.Module:
+    from tests import models
+
+    module = models.tiny_neox()
+    if bf16_base:
+        module = module.to(torch.bfloat16)
+    return lora(module, ["query_key_value", "dense_4h_to_h"])  # PEFT keeps the adapters in fp32
+
+
+def frozen_state_case(root: str, save: dict[str, Any], sdp: int) -> dict[str, Any]:
+    """Item 1 on tiny GPT-NeoX + LoRA with a bf16 base under bf16 (layers' weights sharded, adapters
+    persistent), trained under the knobs `save`: what each unit keeps for its frozen weights and what
+    the reducer and the optimizer see after AdamW steps; a partial checkpoint resumed at `sdp` and a
+    full state dict against the base; a requires_grad flipped after wrapping."""
+    knobs = {"sdp_param_persistence_threshold": 1000, "bf16": True}
+    smp.init({**knobs, **save})
+    model = smp.DistributedModel(_neox_lora(bf16_base=True))
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    frozen_numel = sum(
+        p.numel() for p in _neox_lora(bf16_base=True).parameters() if not p.requires_grad and p.numel() >= 1000
+    )
+    units = model.units
+    g = torch.Generator().manual_seed(smp.rank())
+    for _ in range(2):
+        ids = torch.randint(0, 96, (2, 16), generator=g)
+        model.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad()
+    frozen = [u.frozen for u in units if u.frozen is not None]
+    out: dict[str, Any] = {
+        "frozen_dtypes": sorted({str(f.shard.dtype) for f in frozen}),
+        "frozen_shard_numel": sum(f.shard.numel() for f in frozen),
+        "frozen_numel": frozen_numel,
+        "main_numel": sum(u.main_shard.numel() for u in units),
+        "main_grad_numel": sum(0 if u.main_grad is None else u.main_grad.numel() for u in units),
+        "bucket_units": [u.name for plan in model.reducer.plans for u in plan.units],
+        "optimizer_state_params": len(opt.optimizer.state),
+        "trainable_params": sum(1 for p in model.parameters() if p.requires_grad),
+    }
+    ckpt_dir = str(Path(root) / "ckpt")
+    smp.save_checkpoint(ckpt_dir, tag="t", model=model, optimizer=opt)
+    saved = {k: v.float().clone() for k, v in model.state_dict().items()}
+    smp.shutdown()
+    base = {k: v.float() for k, v in _neox_lora(bf16_base=True).state_dict().items() if "lora_" not in k}
+
+    smp.init({"sharded_data_parallel_degree": sdp, **knobs})
+    model = smp.DistributedModel(_neox_lora(bf16_base=True))
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    smp.resume_from_checkpoint(ckpt_dir, tag="t")
+    resumed = {k: v.float().clone() for k, v in model.state_dict().items()}
+    out["resume_diff"] = max_diff(saved, resumed)
+    out["base_diff"] = max_diff({k: v for k, v in resumed.items() if "lora_" not in k}, base)
+    weight = next(p for p in model.parameters() if not p.requires_grad and p.dim() == 2)
+    weight.requires_grad_(True)
+    try:
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
