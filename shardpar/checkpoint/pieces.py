@@ -72,7 +72,7 @@ def slots(model: DistributedModel) -> list[Slot]:
                 piece.shape,
                 cut,
                 rank,
-                piece.sharded and state.replica_sharded,
+                piece.sharded and not piece.frozen and state.replica_sharded,  # a frozen shard: every replica's
             )
         )
     return out

@@ -3,7 +3,9 @@ free nothing themselves.
 
     forward:   pre-forward(unit)  -> scheduler.require(FORWARD)      post-forward(unit) -> scheduler.forward_done
     backward:  grad of unit output -> scheduler.require(BACKWARD)     all unit grads in  -> ReduceScatter,
-                                                                                           scheduler.grads_reduced
+                                                                                           scheduler.backward_done
+               (a unit with frozen parameters: scheduler.backward_done once its whole backward ran,
+               [Note: frozen units' backward])
     end of backward (autograd callback): units not reduced yet -> ReduceScatter (zeros where no grad);
                at the accumulation boundary -> AllReduce main grads over the replication group and
                persistent grads over the rdp group; scheduler.end_backward frees every unit.
@@ -11,10 +13,40 @@ free nothing themselves.
 The root unit keeps its parameters after a forward that records a graph (its lm_head is the first
 thing backward needs; FSDP2 does the same) and frees them when backward ends. See [Note: holders]
 in unit.py for how shared parameters stay alive.
+
+[Note: frozen units' backward]
+A unit's gathered parameters may be freed once no backward node that saved them is left to run. For a
+trainable unit that is when its last gradient arrives: every op that used a trainable weight has that
+weight as a differentiable input, so its node runs before the weight's grad is accumulated. A frozen
+weight gives no such signal (LoRA: every block's base weights are frozen, and the adapters' grads may
+arrive before the frozen matmul that computes the block's input gradient), so until issue 33 such units
+stayed gathered to the end of backward -- the whole model beside the activations.
+
+A node of a unit's backward leads, through other nodes of the unit, to where its gradients go: the
+tensor inputs of the unit's call, or leaves -- the parameters the unit uses. So a unit with frozen
+parameters is done once
+  * every graph-recording call of it has seen the gradients of its tensor inputs (args and kwargs)
+    that require grad: they pass through `_CallBackwardDone`, whose backward runs after every node
+    that leads to them (FSDP2's post-backward sits in the same place); a call whose graph is freed
+    without running backward (a non-reentrant checkpoint's recomputation, a forward never backwarded)
+    closes when its node goes (`weakref.finalize` on a token the node holds); and
+  * every trainable parameter of its own -- sharded, or persistent and held by its modules -- got its
+    gradient accumulated in this backward (a set, not a count: a reentrant checkpoint run twice
+    delivers a grad twice).
+Under reentrant activation checkpointing the forward runs without a graph and the recomputation, inside
+backward, records the real one, so its call goes through `_CallBackwardDone` too; the non-reentrant
+recomputation's graph is dropped, which closes its call, and the forward's call closes in the real graph.
+A unit with no such input and no trainable parameter of its own gets neither signal and stays until
+the end of backward, as do the root and any unit whose forward runs other units (their nodes lead to
+other units' inputs and leaves), and a unit that borrows parameters (its nodes may lead only to the
+lender's). Freeing too early would not be silent: a saved view of resized storage crashes the rank
+([Note: gathered storage] in unit.py).
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,7 +54,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from shardpar.runtime.holds import HoldKind
+from shardpar.runtime.holds import BACKWARD, HoldKind
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer
 from shardpar.runtime.schedule import Scheduler
@@ -61,6 +93,7 @@ class ModelHooks:
         reducer: GradReducer,
         window: AccumulationWindow,
         unit_of_param: dict[int, Unit],
+        unit_of_persistent: Mapping[int, int],
         user_params: UserParams,
         on_window_end: Callable[[], None],
         on_backward_end: Callable[[bool], None],
@@ -79,10 +112,28 @@ class ModelHooks:
         self.user_params = user_params
         self._finalize_queued_for: int | None = None
         self.handles: list[Any] = []
+        # [Note: frozen units' backward]: the units freed once their whole backward ran, and for each
+        # trainable parameter the units whose backward it is part of.
+        self._frozen_release = _frozen_release_units(root, units)
+        self._frozen_sinks: dict[int, list[Unit]] = {}
+        self._sinks: dict[int, frozenset[int]] = {}  # unit index -> its parameters' ids
+        self._sinks_seen: dict[int, set[int]] = {}
+        persistent_by_unit: dict[int, list[nn.Parameter]] = {}
+        for p in persistent.params:
+            if p.requires_grad and id(p) in unit_of_persistent:
+                persistent_by_unit.setdefault(unit_of_persistent[id(p)], []).append(p)
+        for unit in units:
+            if unit.index in self._frozen_release:
+                own = [p for p in unit.params if p.requires_grad] + persistent_by_unit.get(unit.index, [])
+                self._sinks[unit.index] = frozenset(id(p) for p in own)
+                self._sinks_seen[unit.index] = set()
+                for p in own:
+                    self._frozen_sinks.setdefault(id(p), []).append(unit)
 
     def install(self) -> None:
         for unit in self.units:
-            self.handles.append(unit.module.register_forward_pre_hook(_eager(self._make_pre_forward(unit))))
+            pre = _eager(self._make_pre_forward(unit))
+            self.handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(unit.module.register_forward_hook(_eager(self._make_post_forward(unit))))
             for p in unit.params:
                 if p.requires_grad:
@@ -97,7 +148,9 @@ class ModelHooks:
     def _make_pre_forward(self, unit: Unit) -> Any:
         is_root = unit.module is self.root
 
-        def hook(module: nn.Module, args: Any) -> Any:
+        tracks_calls = bool(unit.deps) or unit.index in self._frozen_release
+
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             # During backward this is an activation-checkpoint recomputation: the unit belongs to
             # its backward until its grads are reduced.
             backward = _in_backward()
@@ -108,8 +161,9 @@ class ModelHooks:
                 self._on_forward_start()
             self.scheduler.require(unit, HoldKind.BACKWARD if backward else HoldKind.FORWARD)
             self.user_params.enter(unit)
-            if unit.deps and not backward and torch.is_grad_enabled():
-                return self._after_backward_of_call(unit, args)
+            # Also in a recomputation: a reentrant checkpoint's is the graph backward runs.
+            if tracks_calls and torch.is_grad_enabled():
+                return self._after_backward_of_call(unit, args, kwargs)
             return None
 
         return hook
@@ -141,19 +195,40 @@ class ModelHooks:
                 self.persistent.drop_stale_grads()
             self.scheduler.begin_forward()
 
-    def _after_backward_of_call(self, unit: Unit, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        """A forward call of a unit that borrows parameters: route its positional tensor inputs through
-        _CallBackwardDone, so that its backward holds on the lenders end with its backward ([Note:
-        holders] in unit.py). Without such inputs the holds last to the end of the backward."""
-        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    def _after_backward_of_call(
+        self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A graph-recording call of a unit that borrows parameters or has frozen ones: route its tensor
+        inputs that require grad (args and kwargs) through _CallBackwardDone, so that what waits for its
+        backward ends with it ([Note: holders] in unit.py, [Note: frozen units' backward]). Without such
+        inputs nothing waits for the call."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        positions = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not positions:
             return None
-        self.scheduler.begin_borrowing_call(unit)
-        passed = _CallBackwardDone.apply(self.scheduler, unit, *(args[i] for i in positions))
-        out = list(args)
+        token = self.scheduler.open_call(unit)
+        passed = _CallBackwardDone.apply(self, unit, token, *(leaves[i] for i in positions))
         for i, t in zip(positions, passed, strict=True):
-            out[i] = t
-        return tuple(out)
+            leaves[i] = t
+        new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
+        return tuple(new_args), dict(new_kwargs)
+
+    def _call_closed(self, unit: Unit, token: int) -> None:
+        """_CallBackwardDone's backward ran, or its node was freed without running."""
+        if self.scheduler.close_call(unit, token):
+            self._release_if_backward_ran(unit)
+
+    def _release_if_backward_ran(self, unit: Unit) -> None:
+        """Free a unit with frozen parameters once its whole backward ran ([Note: frozen units' backward])."""
+        sinks = self._sinks.get(unit.index)
+        if sinks is None or unit.open_calls or self._sinks_seen[unit.index] != sinks:
+            return
+        if unit.num_trainable and not unit.reduced:
+            return  # (its grads are handed to the reducer first, in _on_grad_accumulated)
+        if not _in_backward() or BACKWARD not in unit.holds:
+            return  # a graph freed outside backward closed the call; the unit is not in its backward
+        self.scheduler.backward_done(unit)
+        self.user_params.exit_backward(unit)
 
     # ---- backward -----------------------------------------------------------------------------
 
@@ -172,14 +247,22 @@ class ModelHooks:
         self._queue_finalize()
         unit = self._unit_of_param.get(id(p))
         if unit is None:
+            self._sink_arrived(p)
             return  # persistent: reduced at the boundary
         if unit.reduced:
             raise late_gradient(unit, p)
         unit.grads_arrived += 1
-        if unit.grads_arrived == unit.num_trainable and not unit.has_frozen:
+        if unit.grads_arrived == unit.num_trainable:
             self.reducer.add(unit)
-            self.scheduler.grads_reduced(unit)
-            self.user_params.exit_backward(unit)
+            if not unit.has_frozen:
+                self.scheduler.backward_done(unit)
+                self.user_params.exit_backward(unit)
+        self._sink_arrived(p)
+
+    def _sink_arrived(self, p: torch.Tensor) -> None:
+        for unit in self._frozen_sinks.get(id(p), ()):
+            self._sinks_seen[unit.index].add(id(p))
+            self._release_if_backward_ran(unit)
 
     def _queue_finalize(self) -> None:
         # Queue once per outermost backward: a reentrant activation checkpoint runs nested backward
@@ -191,6 +274,8 @@ class ModelHooks:
         self.user_params.sync()
         for unit in self.units:
             unit.begin_backward()
+        for seen in self._sinks_seen.values():
+            seen.clear()
         boundary = self.window.begin_backward()
         self.reducer.begin_backward(boundary=boundary, scale=self.window.grad_scale)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -219,18 +304,39 @@ class ModelHooks:
 class _CallBackwardDone(torch.autograd.Function):
     """Identity on a forward call's tensor inputs; its backward runs once the gradients of all of them
     are computed -- the call's whole backward has run -- and before they flow on to whoever produced
-    the inputs (FSDP2 puts its post-backward in the same place)."""
+    the inputs (FSDP2 puts its post-backward in the same place). If its node is freed without running
+    (the graph was dropped), the call closes then ([Note: frozen units' backward])."""
 
     @staticmethod
-    def forward(ctx: Any, scheduler: Scheduler, unit: Unit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.scheduler = scheduler
-        ctx.unit = unit
+    def forward(ctx: Any, hooks: ModelHooks, unit: Unit, token: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.close = functools.partial(hooks._call_closed, unit, token)
+        ctx.node_alive = _NodeAlive()  # owned by the node alone: finalized when the node goes
+        weakref.finalize(ctx.node_alive, ctx.close)
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.scheduler.backward_of_call_done(ctx.unit)
-        return (None, None, *grads)
+        ctx.close()
+        return (None, None, None, *grads)
+
+
+class _NodeAlive:
+    __slots__ = ("__weakref__",)
+
+
+def _frozen_release_units(root: nn.Module, units: list[Unit]) -> set[int]:
+    """Indices of the units freed once their whole backward ran ([Note: frozen units' backward]):
+    those with frozen parameters, except the root, a unit whose module holds another unit's, and a unit
+    that borrows parameters."""
+    modules = {id(u.module) for u in units}
+    out = set()
+    for unit in units:
+        if not unit.has_frozen or unit.module is root or unit.deps:
+            continue
+        if any(id(m) in modules for m in unit.module.modules() if m is not unit.module):
+            continue
+        out.add(unit.index)
+    return out
 
 
 def late_gradient(unit: Unit, p: torch.Tensor) -> RuntimeError:

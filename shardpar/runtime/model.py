@@ -23,6 +23,7 @@ from shardpar.config import Config
 from shardpar.precision import DtypePolicy
 from shardpar.runtime.boundary_cast import call_in_compute_dtype
 from shardpar.runtime.buffers import BufferSync
+from shardpar.runtime.frozen import FrozenShard
 from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
@@ -122,7 +123,9 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         self.sharded_state = ShardedState(
             self.units, self.persistent, engine=engine, topology=topology, device=self.device
         )
-        self._unit_of_param = {id(p): u for u in self.units for p in u.params}
+        self._unit_of_param = {
+            id(p): u for u in self.units for p in [*u.params, *(u.frozen.params if u.frozen else [])]
+        }
         self._link_dependencies(plans, registered or {})
         self.user_params = UserParams(
             module,
@@ -145,6 +148,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             reducer=self.reducer,
             window=self.window,
             unit_of_param=self._unit_of_param,
+            unit_of_persistent=unit_of_persistent,
             user_params=self.user_params,
             on_window_end=self._agree_on_unused_params,
             on_backward_end=self._publish_grads,
@@ -219,16 +223,32 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             # Units without sharded parameters are kept (they communicate nothing): their hooks still
             # hold the parameters they borrow (smp.register_parameter) and mark the start of backward.
             align = 1 if self.replicas is None else self.replicas.size  # each shard splits over the replicas
-            layout = flat_layout([(n, tuple(p.shape)) for n, p in up.params], comm.sharding.size, align=align)
+            trained = [(n, p) for n, p in up.params if p.requires_grad]
+            layout = flat_layout([(n, tuple(p.shape)) for n, p in trained], comm.sharding.size, align=align)
+            # Frozen at wrap time: their own shard, in their dtype ([Note: frozen shards], frozen.py)
+            frozen = [(n, p) for n, p in up.params if not p.requires_grad]
+            name = up.name or "<root>"
+            frozen_shard = None
+            if frozen:
+                frozen_layout = flat_layout([(n, tuple(p.shape)) for n, p in frozen], comm.sharding.size)
+                frozen_shard = FrozenShard(
+                    name,
+                    [p for _, p in frozen],
+                    frozen_layout,
+                    comm,
+                    compute_dtype=self.policy.compute,
+                    device=self.device,
+                )
             unit = Unit(
                 len(units),
-                up.name or "<root>",
+                name,
                 up.module,
-                [p for _, p in up.params],
+                [p for _, p in trained],
                 layout,
                 comm,
                 policy=self.policy,
                 device=self.device,
+                frozen=frozen_shard,
             )
             unit.take_shards_from_params(materialize)
             if self.replicas is not None:  # now, unit by unit: one unit's fp32 shard at a time beside the pieces

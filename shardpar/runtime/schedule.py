@@ -60,6 +60,7 @@ class Scheduler:
         self._forward_now: list[Unit] = []
         self._backward_now: list[Unit] = []
         self._warned = False
+        self._calls = 0  # the last token open_call handed out
 
     # ---- pass boundaries ------------------------------------------------------------------------
 
@@ -84,7 +85,7 @@ class Scheduler:
         """The end of an optimizer step: free what a graph-recording forward that got no backward left
         gathered (the root keeps its parameters for the backward); those values are stale now."""
         for unit in self.units:
-            unit.borrow_calls = 0  # calls from graphs that never got a backward
+            unit.open_calls.clear()  # calls from graphs that never got a backward
             unit.release()
 
     def hold_all(self) -> None:
@@ -122,21 +123,31 @@ class Scheduler:
         """The unit's forward returned: drop its forward hold (freed unless something else holds it)."""
         unit.reshard(FORWARD)
 
-    def grads_reduced(self, unit: Unit) -> None:
-        """Every gradient of the unit was handed to the reducer: its backward no longer needs it."""
+    def backward_done(self, unit: Unit) -> None:
+        """The unit's backward no longer needs it: every gradient of a trainable unit was handed to the
+        reducer, or a unit with frozen parameters saw its whole backward run ([Note: frozen units'
+        backward] in hooks.py)."""
         unit.reshard(BACKWARD)
         unit.reshard(FORWARD)
 
-    def begin_borrowing_call(self, unit: Unit) -> None:
-        """A forward call of a borrowing unit whose backward ends in `backward_of_call_done`."""
-        unit.borrow_calls += 1
+    def open_call(self, unit: Unit) -> int:
+        """A graph-recording call of `unit` whose backward ends in `close_call(unit, token)`."""
+        self._calls += 1
+        unit.open_calls.add(self._calls)
+        return self._calls
 
-    def backward_of_call_done(self, unit: Unit) -> None:
-        """The backward of one of the unit's forward calls has run: once every call's has, its backward
-        holds on the units it borrows from end ([Note: holders] in unit.py)."""
-        unit.borrow_calls -= 1
-        if unit.borrow_calls == 0:
-            unit.release_borrowed()
+    def close_call(self, unit: Unit, token: int) -> bool:
+        """The backward of one of the unit's calls has run, or its graph was freed without one (an
+        activation checkpoint's recomputation, a forward never backwarded). Once no call is open its
+        backward holds on the units it borrows from end ([Note: holders] in unit.py); returns whether
+        none is open now (False when `token` was closed already)."""
+        if token not in unit.open_calls:
+            return False
+        unit.open_calls.discard(token)
+        if unit.open_calls:
+            return False
+        unit.release_borrowed()
+        return True
 
     def _predicted_order(self, backward: bool) -> list[Unit]:
         if not backward:
@@ -161,7 +172,7 @@ class Scheduler:
     def _size_if_gathered(self, unit: Unit) -> int:
         """Elements gathering `unit` (and its borrowed units) adds, with a hierarchical gather's scratch."""
         todo = [u for u in (unit, *unit.deps) if u.state is UnitState.SHARDED]
-        return sum(u.layout.padded_numel + u.comm.gather_scratch(u.layout.padded_numel) for u in todo)
+        return sum(u.gathered_numel + u.comm.gather_scratch(u.gathered_numel) for u in todo)
 
     def _make_room(self, unit: Unit) -> None:
         need = self._size_if_gathered(unit)

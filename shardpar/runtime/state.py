@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardpar.collectives import Engine
+from shardpar.runtime import unit_values
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.replica_shard import ReplicaShard
 from shardpar.runtime.unit import Unit
@@ -43,6 +44,7 @@ class Piece:
     pos: int  # its position in the unit, or in the persistent set
     offset: int  # where the parameter starts in its holder's full flat values (gather_unit / persistent_main)
     local: slice  # its range in the holder's local flat main copy and main grad
+    frozen: bool = False  # frozen at wrap time: `local` is in the unit's frozen shard, no grad ([Note: frozen shards])
 
 
 @dataclass(frozen=True)
@@ -108,11 +110,15 @@ class ShardedState:
         """The piece's fp32 main values (a view): flat when sharded, the parameter's shape when persistent."""
         if piece.sharded:
             unit = self._units[piece.unit]
+            if piece.frozen and unit.frozen is not None:
+                return unit.frozen.shard[piece.local]  # in the parameter's own dtype
             return (unit.main_shard if unit.replica is None else unit.replica.main)[piece.local]
         return self._persistent.main_view(piece.pos)
 
     def grad(self, piece: Piece) -> torch.Tensor | None:
         """The piece's fp32 main grad (a view shaped like `main(piece)`); None when there is none."""
+        if piece.frozen:
+            return None
         if piece.sharded:
             grad = _stepped_grad(self._units[piece.unit])
             return None if grad is None else grad[piece.local]
@@ -127,7 +133,7 @@ class ShardedState:
     def grad_blocks(self) -> list[GradBlock]:
         """The main grads with the pieces they hold, in main_grads() order (for the grad norm)."""
         blocks = [
-            GradBlock(grad, False, pieces)
+            GradBlock(grad, False, [p for p in pieces if not p.frozen])
             for grad, pieces in zip(map(_stepped_grad, self._units), self._unit_pieces, strict=True)
             if grad is not None
         ]
@@ -169,7 +175,11 @@ class ShardedState:
     def grad_used(self) -> list[bool]:
         """Whether each piece's parameter got a gradient in this window, in `pieces` order ([Note:
         unused params] in model.py)."""
-        return [b for holder in self._holders() for b in holder.grad_used]
+        return [
+            b
+            for holder in self._holders()
+            for b in [*holder.grad_used, *[False] * _num_frozen(holder)]  # a frozen one never has a grad
+        ]
 
     def reset_grad_usage(self) -> None:
         """Forget which parameters got a gradient ([Note: unused params] in model.py)."""
@@ -186,7 +196,7 @@ class ShardedState:
         """Unit `index`'s full flat fp32 main values, padded (one AllGather over the sharding group);
         a piece's parameter is at [offset, offset + numel). None for a unit without elements."""
         self.refresh_if_written()  # with shard_optimizer_state the fp32 shard holds other replicas' pieces
-        return self._units[index].gather_main()
+        return unit_values.gather_main(self._units[index])
 
     def persistent_main(self) -> torch.Tensor:
         """The persistent parameters' flat fp32 main values (the same on every rank); no copy."""
@@ -197,7 +207,7 @@ class ShardedState:
         self.refresh_if_written()
         out: dict[str, torch.Tensor] = {}
         for unit in self._units:
-            out.update(unit.full_params())
+            out.update(unit_values.full_params(unit))
         for piece in self._persistent_pieces:
             out[piece.fqn] = self._persistent.main_view(piece.pos).detach().clone()  # fp32 main, not compute
         return out
@@ -205,7 +215,7 @@ class ShardedState:
     def load_full_values(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set the parameters `values` names (by piece name, full size; every rank passes the same)."""
         for unit, pieces in zip(self._units, self._unit_pieces, strict=True):
-            unit.load_full_params({p.fqn: values[p.fqn] for p in pieces if p.fqn in values})
+            unit_values.load_full_params(unit, {p.fqn: values[p.fqn] for p in pieces if p.fqn in values})
         self._persistent.load({p.fqn: values[p.fqn] for p in self._persistent_pieces if p.fqn in values})
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
@@ -240,8 +250,14 @@ def _stepped_grad(unit: Unit) -> torch.Tensor | None:
     return unit.main_grad if unit.replica is None else unit.replica.main_grad
 
 
+def _num_frozen(holder: Unit | PersistentParams) -> int:
+    return len(holder.frozen.params) if isinstance(holder, Unit) and holder.frozen is not None else 0
+
+
 def _unit_pieces(unit: Unit) -> list[Piece]:
     slices = unit.slices if unit.replica is None else unit.replica.slices
+    frozen = [] if unit.frozen is None else unit.frozen.slices
+    base = unit.layout.padded_numel  # where the frozen values start in gather_unit's flat values
     return [
         Piece(
             sl.spec.fqn,
@@ -256,6 +272,21 @@ def _unit_pieces(unit: Unit) -> list[Piece]:
             sl.local,
         )
         for j, (p, sl) in enumerate(zip(unit.params, slices, strict=True))
+    ] + [
+        Piece(
+            sl.spec.fqn,
+            p,
+            sl.spec.shape,
+            True,
+            sl.param_start,
+            sl.length,
+            unit.index,
+            len(unit.params) + j,
+            base + sl.spec.offset,
+            sl.local,
+            frozen=True,
+        )
+        for j, (p, sl) in enumerate(zip(unit.frozen.params if unit.frozen else [], frozen, strict=True))
     ]
 
 

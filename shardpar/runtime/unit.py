@@ -59,6 +59,7 @@ from torch import nn
 
 from shardpar.collectives import ReduceOp, Span, Work
 from shardpar.precision import DtypePolicy
+from shardpar.runtime.frozen import FrozenShard
 from shardpar.runtime.holds import Hold, HoldKind, UnitState
 from shardpar.runtime.replica_shard import ReplicaShard
 from shardpar.runtime.unit_comm import UnitComm
@@ -87,6 +88,7 @@ class Unit:
         *,
         policy: DtypePolicy,
         device: torch.device,
+        frozen: FrozenShard | None = None,
     ) -> None:
         if len(params) != len(layout.specs):
             raise AssertionError(f"unit {name}: {len(params)} params but {len(layout.specs)} specs")
@@ -109,16 +111,19 @@ class Unit:
         # The hold this unit's own hold of each kind puts on the units it borrows from.
         self.lent_holds = {kind: Hold(kind, borrower=index) for kind in HoldKind}
         self.deps: list[Unit] = []  # units whose parameters this unit's forward uses
-        # Forward calls of this unit whose inputs have not all got their gradient yet ([Note: holders]).
-        self.borrow_calls = 0
+        # Tokens of the graph-recording calls of this unit whose inputs have not all got their gradient
+        # yet, and whose graph is still alive ([Note: holders]; [Note: frozen units' backward] in hooks.py).
+        self.open_calls: set[int] = set()
         self._full: torch.Tensor | None = None  # what the parameters view while unsharded
         self._gathered: torch.Tensor | None = None  # sdp > 1: [Note: gathered storage]
         self._gather_work: Work | None = None
         # sdp_node_secondary_shard: the cross-node blocks of this step's first gather ([Note: secondary
         # shard], hierarchical.py); None until then and after the unit's values change.
         self._secondary: torch.Tensor | None = None
+        # The parameters frozen at wrap time, apart from `params` / `layout` ([Note: frozen shards], frozen.py).
+        self.frozen = frozen
         self.num_trainable = sum(p.requires_grad for p in params)
-        self.has_frozen = self.num_trainable != len(params)
+        self.has_frozen = frozen is not None or self.num_trainable != len(params)
         self.grads_arrived = 0
         self.reduced = False  # in the running backward
         # Which parameters got a gradient in this accumulation window (see [Note: unused params]).
@@ -143,7 +148,17 @@ class Unit:
                     self.main_shard[sl.local].copy_(full.reshape(-1)[sl.param])
                     del full
                 set_param_data(p, self._empty(p))
+        if self.frozen is not None:
+            self.frozen.take_shards(materialize, self._no_data)
         self.refresh_compute()
+
+    def _no_data(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.compute_dtype, device=self.device)
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements the unit's gathered buffers hold: its trainable layout's and its frozen shard's."""
+        return self.layout.padded_numel + (0 if self.frozen is None else self.frozen.padded_numel)
 
     def _empty(self, p: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, dtype=self.compute_dtype, device=self.device)
@@ -154,7 +169,9 @@ class Unit:
 
     def refresh_compute(self) -> None:
         """After the optimizer stepped the fp32 main shard: refresh the half-precision copy."""
-        self._secondary = None  # gathered from the old values
+        self.drop_secondary()
+        if self.frozen is not None:
+            self.frozen.refresh_compute()  # a no-op unless it keeps a compute copy (loads write the shard)
         if self.replica is not None:
             self.replica.refresh(self)  # AllGather of the stepped pieces over the replication group
             return
@@ -176,22 +193,29 @@ class Unit:
             dep.unshard(lent, async_op=async_op)
         self.holds.add(hold)
         if self.state is UnitState.SHARDED:
-            if self.layout.numel == 0:
+            if self.gathered_numel == 0:
                 self.state = UnitState.UNSHARDED
                 return
             if self.comm.sharding.size == 1:
                 # sdp 1: the shard is the whole unit. Compute on views of it instead of gathering a
                 # copy (the copy cost ~41 ms a step at 25M parameters, docs/performance-history.md fix 3).
-                self._full = self.compute_shard()
-                self._point_params_at(self._full)
+                if self.layout.numel:
+                    self._full = self.compute_shard()
+                    self._point_params_at(self._full)
+                if self.frozen is not None:
+                    self.frozen.start_gather()
+                    self.frozen.finish_gather()
                 self.state = UnitState.UNSHARDED
             else:
-                full = self._fill_gathered_storage()
-                self._gather_work = self._gather(full)
-                self._full = full
+                if self.layout.numel:
+                    full = self._fill_gathered_storage()
+                    self._gather_work = self._gather(full)
+                    self._full = full
+                if self.frozen is not None:
+                    self.frozen.start_gather()
                 self.state = UnitState.UNSHARDING
             if self.comm.on_live_change is not None:
-                self.comm.on_live_change(self, self.layout.padded_numel)
+                self.comm.on_live_change(self, self.gathered_numel)
         if not async_op:
             self.wait_for_unshard()
 
@@ -207,6 +231,10 @@ class Unit:
             self._secondary = torch.empty(numel, dtype=shard.dtype, device=shard.device)
         return self.comm.gather(full, shard, async_op=True, unit=self, blocks=self._secondary, blocks_ready=ready)
 
+    def drop_secondary(self) -> None:
+        """The unit's values changed: its secondary shard was gathered from the old ones."""
+        self._secondary = None
+
     @property
     def secondary_numel(self) -> int:
         """Elements of the secondary shard this unit holds now."""
@@ -218,11 +246,14 @@ class Unit:
             dep.wait_for_unshard()
         if self.state is not UnitState.UNSHARDING:
             return
-        if self._gather_work is None or self._full is None:
-            raise AssertionError(f"unit {self.name} is unsharding without a gather in flight")
-        self._gather_work.wait()
-        self._gather_work = None
-        self._point_params_at(self._full)
+        if self.layout.numel:
+            if self._gather_work is None or self._full is None:
+                raise AssertionError(f"unit {self.name} is unsharding without a gather in flight")
+            self._gather_work.wait()
+            self._gather_work = None
+            self._point_params_at(self._full)
+        if self.frozen is not None:
+            self.frozen.finish_gather()
         self.state = UnitState.UNSHARDED
 
     def _fill_gathered_storage(self) -> torch.Tensor:
@@ -274,8 +305,10 @@ class Unit:
             self._gather_work = None
         for p in self.params:
             p.data = self._empty(p)
-        if self._full is not None and self.comm.on_live_change is not None:
-            self.comm.on_live_change(self, -self.layout.padded_numel)
+        if self.frozen is not None:
+            self.frozen.free(self._no_data)
+        if self.gathered_numel and self.comm.on_live_change is not None:
+            self.comm.on_live_change(self, -self.gathered_numel)
         if self._full is not None and self._full is self._gathered:
             # the memory itself, under every view autograd saved ([Note: gathered storage])
             self._gathered.untyped_storage().resize_(0)
@@ -284,7 +317,7 @@ class Unit:
 
     @property
     def num_live_elements(self) -> int:
-        return 0 if self.state is UnitState.SHARDED else self.layout.padded_numel
+        return 0 if self.state is UnitState.SHARDED else self.gathered_numel
 
     # ---- gradients ---------------------------------------------------------------------------
 
@@ -384,42 +417,6 @@ class Unit:
         backward's gradient to it."""
         for p in self.params:
             p.grad = None
-
-    # ---- full values -------------------------------------------------------------------------
-
-    def gather_main(self) -> torch.Tensor | None:
-        """The unit's full flat fp32 main values, padded (one AllGather over the sharding group); a
-        parameter is at [offset, offset + numel). None for a unit without elements."""
-        if self.layout.numel == 0:
-            return None
-        full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
-        shard = self.main_shard if self.replica is None else self.replica.main_shard_values(self)
-        self.comm.engine.all_gather(full, shard, self.comm.sharding)
-        return full
-
-    def full_params(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the unit at full size (cloned, fp32), gathered from the main shards."""
-        full = self.gather_main()
-        if full is None:
-            return {}
-        return {s.fqn: full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in self.layout.specs}
-
-    def load_full_params(self, values: dict[str, torch.Tensor]) -> None:
-        """Set the main shard from full parameter values (every rank passes the same values)."""
-        self._secondary = None
-        with torch.no_grad():
-            if self.replica is not None:
-                self.replica.load_full(self, values)
-            else:
-                for sl in self.slices:
-                    if sl.length and sl.spec.fqn in values:
-                        self.main_shard[sl.local].copy_(values[sl.spec.fqn].reshape(-1)[sl.param])
-                self.refresh_compute()
-            if self.state is not UnitState.SHARDED and self._full is not None:
-                self.wait_for_unshard()
-                for p, spec in zip(self.params, self.layout.specs, strict=True):
-                    if spec.fqn in values:
-                        p.data.copy_(values[spec.fqn].view(spec.shape))
 
 
 def _write_flat(

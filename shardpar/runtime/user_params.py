@@ -184,7 +184,9 @@ class UserParams:
                 raise ValueError(
                     f"{user.shard_layout.fqn}: requires_grad was set to {user.requires_grad} after "
                     f"smp.DistributedModel wrapped the model (it was {compute_param.requires_grad}); the sharded "
-                    "gradient plan is made at wrapping, so freeze or unfreeze parameters before wrapping"
+                    "gradient plan is made at wrapping, and a parameter frozen then keeps no fp32 main copy, "
+                    "gradient or optimizer state ([Note: frozen shards], frozen.py), so freeze or unfreeze "
+                    "parameters before wrapping"
                 )
             param = compute_param if compute else user
             for module, name in locations:
