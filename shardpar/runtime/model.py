@@ -23,6 +23,7 @@ from shardpar.runtime.buffers import BufferSync
 from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
+from shardpar.runtime.initial_values import InitialValues
 from shardpar.runtime.materialize import Materializer, check_nothing_materialised, module_device, refuse_nested
 from shardpar.runtime.model_state_dict import StateDictMixin
 from shardpar.runtime.model_v1 import V1Mixin
@@ -90,7 +91,20 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
         materialize = Materializer(module, self.device)
         materialize.buffers()
         plans = plan_units(module, wrap)
+        split = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in (tp_splits or {})}
+        values = InitialValues(  # rank 0's values, unit by unit ([Note: rank 0's initial values])
+            materialize,
+            [p for up in plans for _, p in up.params],
+            engine=engine,
+            world=topology.group("world"),
+            rdp=topology.rdp,
+            tp_split=split,
+            rank=topology.rank,
+            device=self.device,
+        )
         persistent, unit_of_persistent = self._split_persistent(plans)
+        for i in sorted(set(unit_of_persistent.values())):
+            values.take_real(p for _, p in persistent if unit_of_persistent[id(p)] == i)
         self.persistent = PersistentParams(
             persistent,
             engine=engine,
@@ -98,12 +112,12 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
             compute_dtype=self.policy.compute,
             reduce_dtype=self.policy.reduce,
             device=self.device,
-            materialize=materialize,
+            materialize=values,
         )
         self.live = LiveCounter()
         # shard_optimizer_state ([Note: replica-sharded main], replica_shard.py); None when off or one replica
         self.replicas = replica_comm(config.shard_optimizer_state, topology, engine)
-        self.units = self._build_units(plans, materialize)
+        self.units = self._build_units(plans, values)
         self.scheduler = Scheduler(self.units, cap=config.sdp_max_live_parameters, live=self.live)
         self.reducer = GradReducer(
             engine,
@@ -183,7 +197,7 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
             self.engine, node, cross, self.policy.reduce, self.device, defer=config.sdp_defer_cross_node_reduce
         )
 
-    def _build_units(self, plans: list[UnitPlan], materialize: Callable[[nn.Parameter], torch.Tensor]) -> list[Unit]:
+    def _build_units(self, plans: list[UnitPlan], values: InitialValues) -> list[Unit]:
         node, cross = self.topology.groups["sharding_node"], self.topology.groups["sharding_cross"]
         hierarchical = (
             self.shardpar_config.sdp_hierarchical_allgather
@@ -217,7 +231,8 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
                 policy=self.policy,
                 device=self.device,
             )
-            unit.take_shards_from_params(materialize)
+            values.take_real(p for _, p in up.params)
+            unit.take_shards_from_params(values, every_param=values.collective)
             if self.replicas is not None:  # now, unit by unit: one unit's fp32 shard at a time beside the pieces
                 unit.replica = ReplicaShard(unit, self.replicas)
             units.append(unit)
