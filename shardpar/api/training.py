@@ -18,6 +18,7 @@ from shardpar import checkpoint as _checkpoint
 from shardpar.api.context import _REGISTERED, _TP_MARKS, state
 from shardpar.api.same_model import check_same_model
 from shardpar.api.step import StepOptions, StepOutput, make_step
+from shardpar.api.summary import engine_name, log_wrap_summary
 from shardpar.optim.loss_scaling import make_loss_scaler
 from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
 from shardpar.runtime.materialize import refuse_nested
@@ -124,6 +125,7 @@ def DistributedModel(
         broadcast_buffers=broadcast_buffers,
     )
     st.model = model
+    log_wrap_summary(model, engine_name(st.engine.name, st.config.ddp_dist_backend))  # rank 0: one INFO record
     return model
 
 
