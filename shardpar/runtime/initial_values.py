@@ -27,7 +27,7 @@ from rank 0 while wrapping, before the shards are cut, so every replica trains o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from torch import nn
 from shardpar.collectives import Engine, Group
 from shardpar.collectives.native import all_gather_object
 from shardpar.sharding.deferred_record import record_digest
+from shardpar.sharding.plan import UnitPlan
+from shardpar.sharding.tp_split import TPSplit
+from shardpar.topology import Topology
 
 
 class InitialValues:
@@ -70,6 +73,32 @@ class InitialValues:
         # One collective, always (every rank must take part): do the ranks' records replay alike?
         digests = all_gather_object(record_digest(unreal), world) if world.size > 1 else [b""]
         self.collective = any(d != digests[0] for d in digests)
+
+    @classmethod
+    def for_model(
+        cls,
+        module: nn.Module,
+        plans: list[UnitPlan],
+        materialize: Callable[[nn.Parameter], torch.Tensor],
+        topology: Topology,
+        engine: Engine,
+        tp_splits: Mapping[str, TPSplit] | None,
+        device: torch.device,
+    ) -> InitialValues:
+        """For the parameters of `plans` (all of `module`'s); `tp_splits` names the TP-split ones."""
+        splits = tp_splits or {}
+        split = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in splits}
+        params = [p for up in plans for _, p in up.params]
+        return cls(
+            materialize,
+            params,
+            engine=engine,
+            world=topology.group("world"),
+            rdp=topology.rdp,
+            tp_split=split,
+            rank=topology.rank,
+            device=device,
+        )
 
     def _source(self, p: nn.Parameter) -> tuple[Group, int]:
         group = self._rdp if id(p) in self._split else self._world

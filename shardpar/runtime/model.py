@@ -91,17 +91,8 @@ class DistributedModel(StateDictMixin, V1Mixin, nn.Module):
         materialize = Materializer(module, self.device)
         materialize.buffers()
         plans = plan_units(module, wrap)
-        split = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in (tp_splits or {})}
-        values = InitialValues(  # rank 0's values, unit by unit ([Note: rank 0's initial values])
-            materialize,
-            [p for up in plans for _, p in up.params],
-            engine=engine,
-            world=topology.group("world"),
-            rdp=topology.rdp,
-            tp_split=split,
-            rank=topology.rank,
-            device=self.device,
-        )
+        # rank 0's values, unit by unit ([Note: rank 0's initial values])
+        values = InitialValues.for_model(module, plans, materialize, topology, engine, tp_splits, self.device)
         persistent, unit_of_persistent = self._split_persistent(plans)
         for i in sorted(set(unit_of_persistent.values())):
             values.take_real(p for _, p in persistent if unit_of_persistent[id(p)] == i)
