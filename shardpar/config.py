@@ -118,6 +118,8 @@ class Config:
     # Not a knob: the SageMaker v1 keys that were accepted but change nothing here, one note each
     # (config_v1.py); smp.init warns once, on rank 0.
     v1_notes: tuple[str, ...] = field(default=(), repr=False, metadata={"internal": True})
+    # Not a knob: which environment values replaced the script's ([Note: config precedence]).
+    overrides: tuple[str, ...] = field(default=(), repr=False, compare=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         for f in _knob_fields():
@@ -127,33 +129,61 @@ class Config:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_any(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
-        """Build from a Config, a flat or SageMaker-form dict, a JSON/TOML path, or (None) the env."""
+    def from_any(
+        cls,
+        source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> Config:
+        """Build from a Config (taken as it is), or from the script's flat or SageMaker-form dict, JSON/TOML
+        path or None, with the environment over it key by key ([Note: config precedence])."""
         if isinstance(source, Config):
             return source
         if source is None:
-            return cls.from_env()
-        if isinstance(source, (str, os.PathLike)):
-            return cls.from_dict(_read_file(Path(source)))
-        if isinstance(source, Mapping):
-            return cls.from_dict(source)
-        raise TypeError(
-            f"config must be a dict, a JSON/TOML file path or None (environment), got {type(source).__name__}"
-        )
+            script: Mapping[str, Any] = {}
+        elif isinstance(source, (str, os.PathLike)):
+            script = _read_file(Path(source))
+        elif isinstance(source, Mapping):
+            script = source
+        else:
+            raise TypeError(
+                f"config must be a dict, a JSON/TOML file path or None (environment), got {type(source).__name__}"
+            )
+        env = os.environ if env is None else env
+        return cls._from_layers([("the script's config", script), *_env_layers(env)], env=env)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        """The environment alone: SM_HP_MP_PARAMETERS, SHARDPAR_CONFIG, SHARDPAR_<KNOB> (later wins)."""
+        return cls.from_any(None, env=env)
+
+    @classmethod
+    def _from_layers(cls, layers: list[tuple[str, Mapping[str, Any]]], *, env: Mapping[str, str]) -> Config:
+        """[Note: config precedence]
+        Lowest first: the script's config (the dict, file or Config given to smp.init), then
+        SM_HP_MP_PARAMETERS, SHARDPAR_CONFIG, and SHARDPAR_<KNOB>; a later source replaces an earlier one's
+        value key by key. SageMaker model parallel v1 did the same with the first two: its
+        ModelParallelConfig copied every key of SM_HP_MP_PARAMETERS (the launcher's `parameters`) over the
+        dict the script passed to smp.init. The environment is set per launch, the script is shared by
+        every launch, so the more specific source wins, and a single knob (SHARDPAR_<KNOB>) is the most
+        specific of all. A value replaced is named in `overrides` (smp.init logs them on rank 0)."""
+        merged: dict[str, Any] = {}
+        origin: dict[str, str] = {}
+        overrides: list[str] = []
+        for where, raw in layers:
+            for key, value in _real_names(_unwrap_sagemaker(raw)).items():
+                if key in merged and merged[key] != value:
+                    overrides.append(f"{key}={value!r} from {where} replaces {merged[key]!r} from {origin[key]}")
+                merged[key], origin[key] = value, where
+        return dataclasses.replace(cls.from_dict(merged, env=env), overrides=tuple(overrides))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> Config:
-        params, notes = split_v1_keys(_unwrap_sagemaker(raw))
+        """One flat or SageMaker-form dict of knobs, no environment (but the SMDDP_* buffer sizes)."""
+        params, notes = split_v1_keys(_real_names(_unwrap_sagemaker(raw)))
         kwargs: dict[str, Any] = {**_smddp_env(os.environ if env is None else env), "v1_notes": notes}
         names = {f.name for f in _knob_fields()}
         for key, value in params.items():
-            real = _ALIASES.get(key)
-            if real is not None and real in params and params[real] != value:
-                raise ValueError(
-                    f"{key}={value!r} and {real}={params[real]!r} disagree ({key} is the SageMaker v1 name of "
-                    f"{real}); give one of them"
-                )
-            key = real or key
             if key in _ACCEPTED_ONLY:
                 if value != _ACCEPTED_ONLY[key]:
                     raise ValueError(f"{key}={value!r} is not supported: shardpar always runs with {key}=True")
@@ -162,26 +192,6 @@ class Config:
                 raise ValueError(_unknown_key_message(key, names))
             kwargs[key] = value
         return cls(**kwargs)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
-        """SHARDPAR_CONFIG (JSON text or file path), SM_HP_MP_PARAMETERS (SageMaker), SHARDPAR_<KNOB>."""
-        env = os.environ if env is None else env
-        raw: dict[str, Any] = {}
-        if "SM_HP_MP_PARAMETERS" in env:
-            raw.update(_parse_json(env["SM_HP_MP_PARAMETERS"], "the environment variable SM_HP_MP_PARAMETERS"))
-        if "SHARDPAR_CONFIG" in env:
-            text = env["SHARDPAR_CONFIG"].strip()
-            where = "the environment variable SHARDPAR_CONFIG"
-            raw.update(_parse_json(text, where) if text.startswith("{") else _read_file(Path(text)))
-        names = {f.name for f in _knob_fields()}
-        for key, value in env.items():
-            if key.startswith(_ENV_PREFIX) and key != "SHARDPAR_CONFIG":
-                knob = key[len(_ENV_PREFIX) :].lower()
-                if knob not in names:
-                    raise ValueError(f"environment variable {key}: " + _unknown_key_message(knob, names))
-                raw[knob] = _parse_env_value(value)
-        return cls.from_dict(raw, env=env)
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
@@ -282,6 +292,47 @@ def _unwrap_sagemaker(raw: Mapping[str, Any]) -> Mapping[str, Any]:
             raise TypeError(f"'parameters' must be a dict of knobs, got {type(params).__name__}")
         return params
     return raw
+
+
+def _real_names(params: Mapping[str, Any]) -> dict[str, Any]:
+    """v1's names of knobs (partitions, fp16_params) replaced by the knobs' own; both given must agree."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        real = _ALIASES.get(key)
+        if real is not None and real in params and params[real] != value:
+            raise ValueError(
+                f"{key}={value!r} and {real}={params[real]!r} disagree ({key} is the SageMaker v1 name of "
+                f"{real}); give one of them"
+            )
+        out[real or key] = value
+    return out
+
+
+# SHARDPAR_* variables that are not knobs: the config file, the shm transport's kernel choice, and the
+# test suite's own (SHARDPAR_TEST_*). Any other SHARDPAR_<NAME> must name a knob (a typo is an error).
+_NOT_KNOBS = ("SHARDPAR_CONFIG", "SHARDPAR_SHM_ISA")
+_NOT_KNOB_PREFIX = "SHARDPAR_TEST_"
+
+
+def _env_layers(env: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    """The environment's sources of knobs, lowest first ([Note: config precedence])."""
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if "SM_HP_MP_PARAMETERS" in env:
+        where = "the environment variable SM_HP_MP_PARAMETERS"
+        layers.append(("SM_HP_MP_PARAMETERS", _parse_json(env["SM_HP_MP_PARAMETERS"], where)))
+    if "SHARDPAR_CONFIG" in env:
+        text = env["SHARDPAR_CONFIG"].strip()
+        where = "the environment variable SHARDPAR_CONFIG"
+        layers.append(("SHARDPAR_CONFIG", _parse_json(text, where) if text.startswith("{") else _read_file(Path(text))))
+    names = {f.name for f in _knob_fields()}
+    for key, value in sorted(env.items()):
+        if not key.startswith(_ENV_PREFIX) or key in _NOT_KNOBS or key.startswith(_NOT_KNOB_PREFIX):
+            continue
+        knob = key[len(_ENV_PREFIX) :].lower()
+        if knob not in names:
+            raise ValueError(f"environment variable {key}: " + _unknown_key_message(knob, names))
+        layers.append((key, {knob: _parse_env_value(value)}))
+    return layers
 
 
 def _unknown_key_message(key: str, names: set[str]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import logging
 import os
 import warnings
 import weakref
@@ -67,6 +68,7 @@ class _State:
 
 
 _STATE: _State | None = None
+_LOG = logging.getLogger("shardpar")
 # smp.register_parameter may run in a module's __init__, before or after init(): kept apart from _STATE.
 _REGISTERED: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.WeakKeyDictionary()
 # smp.tensor_parallelism() marks modules while they are built, before init() may have run.
@@ -77,7 +79,9 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     """Validate `config`, join (or start) the process group and build the topology and engine.
 
     `config` is a dict (flat or SageMaker's {"enabled": True, "parameters": {...}}), a JSON/TOML path,
-    a `Config`, or None to read the environment. Runs as a world of one when no launcher set
+    a `Config` (taken as it is), or None. The environment (SM_HP_MP_PARAMETERS, SHARDPAR_CONFIG,
+    SHARDPAR_<KNOB>) overrides the script's values key by key ([Note: config precedence], config.py;
+    SageMaker v1 let SM_HP_MP_PARAMETERS win too). Runs as a world of one when no launcher set
     WORLD_SIZE. Every configuration error is raised before any process group is created.
     """
     global _STATE
@@ -116,6 +120,8 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         _STATE.offloader = ActivationOffloader(cfg.activation_loading_horizon)
     if cfg.v1_notes and rank == 0:
         warnings.warn(v1_warning_text(cfg.v1_notes), stacklevel=2)
+    if cfg.overrides and rank == 0:  # the environment won over the script ([Note: config precedence])
+        _LOG.info("smp.init: the environment overrides the script's config: %s", "; ".join(cfg.overrides))
     return cfg
 
 
@@ -126,7 +132,8 @@ def _check_same_config(cfg: Config, ranks_per_node: int, world: int) -> None:
     same error before any group is built."""
     if world == 1:
         return
-    mine = {**dataclasses.asdict(cfg), "ranks_per_node (or LOCAL_WORLD_SIZE)": ranks_per_node}
+    knobs = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "overrides"}  # where a value came from may differ
+    mine = {**knobs, "ranks_per_node (or LOCAL_WORLD_SIZE)": ranks_per_node}
     everyone: list[Any] = [None] * world  # all_gather_object fills every entry
     dist.all_gather_object(everyone, mine)
     first = everyone[0]

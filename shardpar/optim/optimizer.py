@@ -9,6 +9,7 @@ keep working on the same optimizer object. Persistent parameters are stepped as 
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -135,8 +136,11 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         return self._clipping
 
     def set_clipping(self, max_norm: float, owner: str) -> None:
-        """Hand the built-in clipping to a front end: `owner` TRAINER (max_grad_norm) or ACCELERATE (0)."""
+        """Hand the built-in clipping to a front end: `owner` TRAINER (max_grad_norm) or ACCELERATE (0).
+        Rank 0 logs the change: the wrap summary named the knob's clipping before the front end took over."""
         self._clipping = Clipping(float(max_norm), owner)
+        if self.model.topology.rank == 0:
+            logging.getLogger("shardpar").info("clipping in force: %s", self._clipping)
 
     @property
     def clip_norm(self) -> float:

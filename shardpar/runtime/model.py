@@ -27,6 +27,7 @@ from shardpar.runtime.frozen import FrozenShard
 from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
+from shardpar.runtime.initial_values import InitialValues
 from shardpar.runtime.materialize import Materializer, check_nothing_materialised, module_device, refuse_nested
 from shardpar.runtime.model_fsdp2 import FSDP2Mixin
 from shardpar.runtime.model_state_dict import StateDictMixin
@@ -96,7 +97,11 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         materialize = Materializer(module, self.device)
         materialize.buffers()
         plans = plan_units(module, wrap)
+        # rank 0's values, unit by unit ([Note: rank 0's initial values])
+        values = InitialValues.for_model(module, plans, materialize, topology, engine, tp_splits, self.device)
         persistent, unit_of_persistent = self._split_persistent(plans)
+        for i in sorted(set(unit_of_persistent.values())):
+            values.take_real(p for _, p in persistent if unit_of_persistent[id(p)] == i)
         self.persistent = PersistentParams(
             persistent,
             engine=engine,
@@ -104,12 +109,12 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             compute_dtype=self.policy.compute,
             reduce_dtype=self.policy.reduce,
             device=self.device,
-            materialize=materialize,
+            materialize=values,
         )
         self.live = LiveCounter()
         # shard_optimizer_state ([Note: replica-sharded main], replica_shard.py); None when off or one replica
         self.replicas = replica_comm(config.shard_optimizer_state, topology, engine)
-        self.units = self._build_units(plans, materialize)
+        self.units = self._build_units(plans, values)
         self.scheduler = Scheduler(self.units, cap=config.sdp_max_live_parameters, live=self.live)
         self.reducer = GradReducer(
             engine,
@@ -199,7 +204,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             quantize=config.sdp_quantize_cross_node_gradients,
         )
 
-    def _build_units(self, plans: list[UnitPlan], materialize: Callable[[nn.Parameter], torch.Tensor]) -> list[Unit]:
+    def _build_units(self, plans: list[UnitPlan], values: InitialValues) -> list[Unit]:
         node, cross = self.topology.groups["sharding_node"], self.topology.groups["sharding_cross"]
         hierarchical = (
             self.shardpar_config.sdp_hierarchical_allgather
@@ -250,7 +255,8 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
                 device=self.device,
                 frozen=frozen_shard,
             )
-            unit.take_shards_from_params(materialize)
+            values.take_real(p for _, p in up.params)
+            unit.take_shards_from_params(values, every_param=values.collective)
             if self.replicas is not None:  # now, unit by unit: one unit's fp32 shard at a time beside the pieces
                 unit.replica = ReplicaShard(unit, self.replicas)
             units.append(unit)

@@ -135,17 +135,22 @@ class Unit:
 
     # ---- initial sharding --------------------------------------------------------------------
 
-    def take_shards_from_params(self, materialize: Callable[[nn.Parameter], torch.Tensor]) -> None:
+    def take_shards_from_params(
+        self, materialize: Callable[[nn.Parameter], torch.Tensor], *, every_param: bool = False
+    ) -> None:
         """Copy this rank's slice of each parameter into the main shard, then free the parameter.
 
         `materialize` gives one full parameter at a time (a delayed-initialised one is built here),
-        so at most one full parameter lives beside the shards.
+        so at most one full parameter lives beside the shards. It is asked only for the parameters
+        this rank holds a slice of, or for every one in order with `every_param` (a collective
+        source: [Note: rank 0's initial values], initial_values.py).
         """
         with torch.no_grad():
             for p, sl in zip(self.params, self.slices, strict=True):
-                if sl.length:
+                if sl.length or every_param:
                     full = materialize(p)
-                    self.main_shard[sl.local].copy_(full.reshape(-1)[sl.param])
+                    if sl.length:
+                        self.main_shard[sl.local].copy_(full.reshape(-1)[sl.param])
                     del full
                 set_param_data(p, self._empty(p))
         if self.frozen is not None:

@@ -12,6 +12,7 @@ there for what a record holds and why replay gives the same bits as a normal CPU
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,6 +215,51 @@ def record_stats(tensors: Iterable[torch.Tensor]) -> RecordStats:
         num_real_tensors=len(consts),
         max_real_numel=max((t.numel() for t in consts.values()), default=0),
     )
+
+
+def record_digest(tensors: Iterable[torch.Tensor]) -> bytes:
+    """A digest of everything the replay of `tensors` reads: each record's ops with their arguments,
+    RNG states and real tensor arguments (bytes), walked in the order of `tensors`. Equal digests on two
+    ranks mean `materialize()` gives both the same bits; a tensor without a record (a real one, or an
+    unrecorded meta one) counts by its shape and dtype alone. An argument whose repr names an object's
+    address differs between processes: it only makes equal records look different, the safe side."""
+    h = hashlib.sha256()
+    index: dict[int, int] = {}
+
+    def leaf(x: Any) -> None:
+        if isinstance(x, Ref):
+            root(x.root)
+            h.update(repr(("ref", index[id(x.root)], x.geometry, x.num_ops)).encode())
+        elif isinstance(x, Const):
+            t = x.tensor.detach()
+            h.update(repr(("const", tuple(t.shape), t.dtype)).encode())
+            h.update(t.reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, GenState):
+            h.update(b"generator" + x.state)
+        else:
+            h.update(repr(x).encode())
+
+    def call(c: Call) -> None:
+        h.update(repr(("call", getattr(c.func, "__qualname__", None) or str(c.func))).encode())
+        h.update(c.rng_state or b"")
+        for x in pytree.tree_leaves((c.args, sorted(c.kwargs.items()))):
+            leaf(x)
+
+    def root(r: Root) -> None:
+        if id(r) in index:
+            return
+        index[id(r)] = len(index)
+        h.update(repr(("root", r.out_index, r.geometry)).encode())
+        for c in ([r.creation] if r.creation else []) + r.log:
+            call(c)
+
+    for t in tensors:
+        r = ROOTS.get(t.untyped_storage()) if t.is_meta else None
+        h.update(repr(("tensor", tuple(t.shape), t.dtype, r is not None)).encode())
+        if r is not None:
+            root(r)
+            h.update(repr(Geometry.of(t)).encode())
+    return h.digest()
 
 
 def materialize_by_reset(

@@ -41,6 +41,17 @@ class TPComm:
     def size(self) -> int:
         return self.group.size
 
+    def broadcast_from_first(self, t: torch.Tensor) -> torch.Tensor:
+        """TP rank 0's `t` on every TP rank (a collective), where `t` was. It travels on the device the
+        engine's collectives use (CUDA for NCCL), since the TP conversion runs on the model as built.
+        A group with no process group behind it (one process converting a model to check the layout)
+        has nobody to hear from: `t` is returned as it is."""
+        if self.size == 1 or self.group.handle is None:
+            return t
+        wire = t.to(_wire_device()).contiguous()
+        self.engine.broadcast(wire, self.group.ranks[0], self.group)
+        return wire.to(t.device)
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the TP group into a new tensor (autograd may still own `t`)."""
         out = t.contiguous().clone()
@@ -139,3 +150,8 @@ def scatter_to_tp_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
         return x
     out: torch.Tensor = _ScatterToTP.apply(x, comm)
     return out
+
+
+def _wire_device() -> torch.device:
+    """The device of the engine's collectives: smp.init picks CUDA (NCCL) where there is one."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -11,8 +11,9 @@ tensor parallelism", which also distributes the embeddings):
 
 The input embedding becomes a VocabParallelEmbedding and the LM head a ColumnParallelLinear over the
 vocabulary (tied weights stay tied). LayerNorm/RMSNorm, position embeddings and row-parallel biases
-stay replicated. Each rank copies its slices from the full module it was given, so ranks built from
-the same seed hold one consistent model, equal to the unconverted one.
+stay replicated. Each rank copies its slices from TP rank 0's full parameters (broadcast one at a
+time), so the TP ranks hold one consistent model, equal to TP rank 0's unconverted one, however they
+were seeded.
 """
 
 from __future__ import annotations
@@ -100,32 +101,37 @@ def check_tp_divisibility(config: Any, tp: int) -> None:
         raise ValueError("tensor parallelism does not convert GPT-2 cross-attention (add_cross_attention=True)")
 
 
-def _full(p: torch.Tensor | None) -> torch.Tensor | None:
-    """The full value of a parameter; a delayed-initialized one is built here (one at a time)."""
+def _full(p: torch.Tensor | None, comm: TPComm) -> torch.Tensor | None:
+    """TP rank 0's full value of a parameter (a collective over the TP group; a delayed-initialized one
+    is built there, one at a time). Every TP rank then slices the same full tensor, so the TP layers
+    hold one model even where the ranks were seeded apart ([Note: rank 0's initial values],
+    runtime/initial_values.py)."""
     if p is None:
         return None
-    if is_deferred(p):
-        return nn.Parameter(materialize(p), requires_grad=p.requires_grad)
-    if p.is_meta:
+    if p.is_meta and not is_deferred(p):
         raise ValueError(
             "tensor parallelism needs parameter values to slice; build the model normally or under "
             "smp.delay_param_initialization(), not on the meta device"
         )
-    return p
+    if comm.rank == 0 or comm.size == 1 or comm.group.handle is None:
+        value = materialize(p) if is_deferred(p) else p.detach()
+    else:
+        value = torch.empty(p.shape, dtype=p.dtype, device="cpu" if p.is_meta else p.device)
+    return nn.Parameter(comm.broadcast_from_first(value), requires_grad=p.requires_grad)
 
 
 def _column(linear: Any, comm: TPComm, **kw: Any) -> ColumnParallelLinear:
-    w = _full(linear.weight)
+    w = _full(linear.weight, comm)
     if w is None:
         raise AssertionError(f"{type(linear).__name__} without a weight")
-    return ColumnParallelLinear(w, _full(linear.bias), comm, transposed=_is_conv1d(linear), **kw)
+    return ColumnParallelLinear(w, _full(linear.bias, comm), comm, transposed=_is_conv1d(linear), **kw)
 
 
 def _row(linear: Any, comm: TPComm) -> RowParallelLinear:
-    w = _full(linear.weight)
+    w = _full(linear.weight, comm)
     if w is None:
         raise AssertionError(f"{type(linear).__name__} without a weight")
-    return RowParallelLinear(w, _full(linear.bias), comm, transposed=_is_conv1d(linear))
+    return RowParallelLinear(w, _full(linear.bias, comm), comm, transposed=_is_conv1d(linear))
 
 
 def _is_conv1d(m: nn.Module) -> bool:
@@ -224,7 +230,7 @@ def _convert_embeddings(model: Any, comm: TPComm, include: Include, vocab_parall
     emb, head, tied = _embeddings(model)
     new_emb: VocabParallelEmbedding | None = None
     if include(emb):
-        weight = _full(emb.weight)
+        weight = _full(emb.weight, comm)
         if weight is None:
             raise AssertionError("input embedding without a weight")
         new_emb = VocabParallelEmbedding(weight, comm, padding_idx=emb.padding_idx)

@@ -597,9 +597,9 @@ def _ref_trunk(ref: _TiedLM, x: torch.Tensor) -> torch.Tensor:
 
 def different_models_case() -> dict[str, str]:
     """Models that differ between ranks are refused on every rank with the same error, naming the
-    first difference: another shape (gloo aborted the process), another depth (a timeout). Another
-    seed (replicas started apart, silently) is a warning on every rank; the same seed passes.
-    Delayed init is compared by structure only."""
+    first difference: another shape (gloo aborted the process), another depth (a timeout), a parameter
+    on meta on one rank only (rank 0's values could not reach it alike). Another seed passes: wrapping
+    takes rank 0's values, with no warning."""
     smp.init({**SHARD, "sharded_data_parallel_degree": 2})
     rank = smp.rank()
     builds = {
@@ -609,6 +609,7 @@ def different_models_case() -> dict[str, str]:
         # rank 1 differs in values only, rank 2 in structure: the structure decides
         "mixed": lambda: (torch.manual_seed(int(rank == 1)), models.UnevenMLP(width=15 if rank == 2 else 13))[1],
         "same_seed": lambda: (torch.manual_seed(0), models.UnevenMLP())[1],
+        "meta_on_one_rank": lambda: models.UnevenMLP().to_empty(device="meta") if rank == 1 else models.UnevenMLP(),
     }
     out: dict[str, str] = {}
     for name, build in builds.items():
@@ -621,7 +622,7 @@ def different_models_case() -> dict[str, str]:
         except ValueError as e:
             out[name] = str(e)
     with smp.delay_param_initialization():
-        torch.manual_seed(rank)  # values are not compared before they exist
+        torch.manual_seed(rank)  # other records on each rank: rank 0's values are broadcast
         deferred = models.UnevenMLP()
     try:
         smp.DistributedModel(deferred)

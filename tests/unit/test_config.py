@@ -246,3 +246,37 @@ def test_shard_optimizer_state_is_accepted_at_any_sdp(sdp: int, world: int) -> N
     cfg = Config.from_dict({"sharded_data_parallel_degree": sdp, "shard_optimizer_state": True}, env={})
     cfg.check_world(world)
     assert cfg.shard_optimizer_state
+
+
+def test_the_environment_overrides_the_scripts_config_key_by_key(tmp_path) -> None:
+    """[Note: config precedence]: the script's dict < SM_HP_MP_PARAMETERS < SHARDPAR_CONFIG < SHARDPAR_<KNOB>.
+    SageMaker v1's ModelParallelConfig copied SM_HP_MP_PARAMETERS over the dict given to smp.init."""
+    script = {"sharded_data_parallel_degree": 2, "microbatches": 2, "bf16": True, "sdp_gradient_clipping": 0.5}
+    env = {
+        "SM_HP_MP_PARAMETERS": json.dumps({"sharded_data_parallel_degree": 4, "microbatches": 4, "partitions": 1}),
+        "SHARDPAR_CONFIG": '{"microbatches": 8}',
+        "SHARDPAR_SDP_GRADIENT_CLIPPING": "0",
+        "SHARDPAR_TEST_POOL": "crash",  # the suite's own variable, not a knob
+    }
+    cfg = Config.from_any(script, env=env)
+    assert cfg.sharded_data_parallel_degree == 4  # SM_HP_MP_PARAMETERS over the script
+    assert cfg.microbatches == 8  # SHARDPAR_CONFIG over SM_HP_MP_PARAMETERS
+    assert cfg.sdp_gradient_clipping == 0.0  # one knob's variable over everything
+    assert cfg.bf16  # what no later source sets stays the script's
+    assert cfg.overrides == (
+        "sharded_data_parallel_degree=4 from SM_HP_MP_PARAMETERS replaces 2 from the script's config",
+        "microbatches=4 from SM_HP_MP_PARAMETERS replaces 2 from the script's config",
+        "microbatches=8 from SHARDPAR_CONFIG replaces 4 from SM_HP_MP_PARAMETERS",
+        "sdp_gradient_clipping=0 from SHARDPAR_SDP_GRADIENT_CLIPPING replaces 0.5 from the script's config",
+    )
+    # The SageMaker form and a file behave as the flat dict; v1's alias of a knob is the knob.
+    wrapped = {"enabled": True, "parameters": {"partitions": 1, "sharded_data_parallel_degree": 2}}
+    assert Config.from_any(wrapped, env=env).sharded_data_parallel_degree == 4
+    path = tmp_path / "c.toml"
+    path.write_text("sharded_data_parallel_degree = 2\n")
+    assert Config.from_any(path, env={"SHARDPAR_SHARDED_DATA_PARALLEL_DEGREE": "8"}).sharded_data_parallel_degree == 8
+    assert Config.from_any(script, env={}).overrides == ()
+    # A Config is final: it was resolved already (from_any applied the environment then).
+    assert Config.from_any(cfg, env={"SHARDPAR_MICROBATCHES": "1"}) is cfg
+    with pytest.raises(ValueError, match=r"environment variable SHARDPAR_MICROBATCHE: .*did you mean 'microbatches'"):
+        Config.from_any(script, env={"SHARDPAR_MICROBATCHE": "1"})
