@@ -3,7 +3,7 @@
 and no files import each other in a circle.
 
     integrations > cli > facade (shardpar/__init__.py) > api > checkpoint > optim > runtime
-        > tensor_parallel > sharding > ground (config, config_v1, collectives, topology, precision)
+        > tensor_parallel > sharding > ground (config, config_v1, v1_notes, collectives, topology, precision)
 
 integrations/ (the Hugging Face Trainer and accelerate front ends) is the top: nothing in shardpar
 imports it, and `import shardpar` does not load transformers' Trainer or accelerate.
@@ -23,7 +23,14 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "shardpar"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "ground",
-        ("shardpar.config", "shardpar.config_v1", "shardpar.collectives", "shardpar.topology", "shardpar.precision"),
+        (
+            "shardpar.config",
+            "shardpar.config_v1",
+            "shardpar.v1_notes",  # the one log line for a v1 name that means something else here
+            "shardpar.collectives",
+            "shardpar.topology",
+            "shardpar.precision",
+        ),
     ),
     ("sharding", ("shardpar.sharding",)),
     ("tensor_parallel", ("shardpar.tensor_parallel", "shardpar.nn")),
