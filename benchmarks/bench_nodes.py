@@ -300,11 +300,13 @@ def main(argv: list[str] | None = None) -> int:
 
     counts = params_count(args.model, 1000)
     print(f"bench_nodes: {args.model} = {counts['params']:,} parameters; command: {' '.join(sys.argv)}", flush=True)
-    rows = run_config(args.nodes, [f for f in args.frameworks.split(",") if f], args)
+    wanted = [f for f in args.frameworks.split(",") if f]  # empty: only the weak scaling
+    rows = run_config(args.nodes, wanted, args) if wanted else []
     scaling: list[dict[str, Any]] = []
     for count in [int(c) for c in args.scaling.split(",") if c]:
         scaling += run_config(count, [f for f in args.scaling_frameworks.split(",") if f], args)
-    print(f"\n{table(rows, counts, args)}")
+    if rows:
+        print(f"\n{table(rows, counts, args)}")
     if scaling:
         head = f"weak scaling ({args.ranks_per_node} ranks per node, same batch per rank)"
         print(f"\n{head}:\n{table(scaling, counts, args)}")
