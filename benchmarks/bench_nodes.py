@@ -37,7 +37,18 @@ from typing import Any
 
 import emulated_nodes
 
-FRAMEWORKS = ("shardpar-node", "shardpar-span", "fsdp2-full", "fsdp2-hsdp", "ddp", "deepspeed-z3", "deepspeed-mics")
+FRAMEWORKS = (
+    "shardpar-node",
+    "shardpar-span",
+    "shardpar-span-min",
+    "shardpar-span-int8",
+    "fsdp2-full",
+    "fsdp2-hsdp",
+    "ddp",
+    "deepspeed-z3",
+    "deepspeed-mics",
+)
+SPAN = ("shardpar-span", "shardpar-span-min", "shardpar-span-int8")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nodes_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A p4d.24xlarge: 8 A100s at 312 TFLOP/s dense bf16 each, 400 Gbit/s EFA per instance (50 per GPU).
@@ -66,25 +77,15 @@ def _node_share(size: float, nodes: int) -> float:
 
 
 def shardpar_span_minimum(*, params: int, nodes: int, ranks_per_node: int, accum: int, dtype_bytes: int = 4) -> int:
-    """shardpar with a sharding group spanning the nodes, as scheduled now: a hierarchical gather
-    (each node receives the rest once) in every forward and backward, a reduce-scatter per micro-batch."""
-    return int(3 * accum * _node_share(dtype_bytes * params, nodes))
+    """A sharding group spanning the nodes must bring each node the rest of the model once a step (one
+    gather) and send the rest of its gradient sums once (one ReduceScatter): 2 x (N-1)/N of the model,
+    4P for two nodes -- what the node-local layout's replica AllReduce moves. shardpar sends exactly
+    that with sdp_node_secondary_shard and sdp_defer_cross_node_reduce (cli/cross_node.py)."""
+    return int(2 * _node_share(dtype_bytes * params, nodes))
 
 
 def span_formula() -> Callable[..., int]:
-    """The lead developer's `shardpar.cli.cross_node.cross_node_bytes` where it exists (issue 28's
-    runtime changes), else the current schedule's minimum above."""
-    try:
-        from shardpar.cli.cross_node import cross_node_bytes  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return shardpar_span_minimum
-
-    def span(*, params: int, nodes: int, ranks_per_node: int, accum: int, dtype_bytes: int = 4) -> int:
-        world = nodes * ranks_per_node
-        kw = {"params": params, "sdp": world, "ranks_per_node": ranks_per_node, "world": world, "accum": accum}
-        return int(cross_node_bytes(**kw, dtype_bytes=dtype_bytes, gather_dtype_bytes=dtype_bytes))
-
-    return span
+    return shardpar_span_minimum
 
 
 def analytical_cross_node_bytes(
@@ -113,7 +114,7 @@ def analytical_cross_node_bytes(
         return int((2 * accum + 1) * _ring_allgather(size, world))
     if layout == "deepspeed-z3":
         return int(3 * accum * _ring_allgather(size, world))
-    if layout == "shardpar-span":
+    if layout in SPAN:
         kw = {"params": params, "nodes": nodes, "ranks_per_node": ranks_per_node, "accum": accum}
         return (span or span_formula())(**kw, dtype_bytes=dtype_bytes)
     raise ValueError(f"unknown layout {layout!r}")
@@ -137,7 +138,7 @@ def modelled_bytes(layout: str, counts: dict[str, int], *, nodes: int, ranks_per
         return int(_ring_allgather(b * gathered, world) + _ring_allreduce(b * P, world))
     if layout == "shardpar-node":
         return int(_ring_allreduce(b * (P - pers), nodes) + _ring_allreduce(b * pers, world))
-    if layout == "shardpar-span":  # the current schedule: hierarchical gathers, flat reduce-scatter
+    if layout == "shardpar-span-before":  # before issue 28: hierarchical gathers, gloo's flat reduce-scatter
         layers, root_sharded = P - root - (pers - root_pers), root - root_pers
         gathered = 2 * k * layers + k * root_sharded
         reduce = k * _ring_allreduce(b * (P - pers), world)
@@ -180,6 +181,7 @@ def run_framework(nodes: emulated_nodes.EmulatedNodes, fw: str, args: argparse.N
         "rx": [lay["rx"] for lay in readers],
         "loss": [statistics.fmean(lay["loss"][i] for lay in per_rank) for i in steps],
         "wall_s": time.monotonic() - t0,
+        "modelled": readers[0].get("modelled"),  # shardpar's own arithmetic (cli/cross_node.py), if shardpar
     }
 
 
@@ -230,7 +232,7 @@ def table(rows: list[dict[str, Any]], counts: dict[str, int], args: argparse.Nam
             continue
         kw = {"nodes": n, "ranks_per_node": args.ranks_per_node, "accum": args.accum}
         minimum = analytical_cross_node_bytes(fw, counts["params"], **kw)
-        model = modelled_bytes(fw, counts, **kw)
+        model = row.get("modelled") if fw.startswith("shardpar") else modelled_bytes(fw, counts, **kw)
         sent = [statistics.median(tx) for tx in row["tx"]] if n > 1 else [0.0]
         ratio = f"{max(sent) / minimum:.2f}" if minimum else "-"
         cells = [

@@ -29,7 +29,33 @@ import torch
 import torch.distributed as dist
 from step_setups import VOCAB, build_model
 
-LAYOUTS = ("shardpar-node", "shardpar-span", "fsdp2-full", "fsdp2-hsdp", "ddp", "deepspeed-z3", "probe")
+LAYOUTS = (
+    "shardpar-node",
+    "shardpar-span",
+    "shardpar-span-min",
+    "shardpar-span-int8",
+    "fsdp2-full",
+    "fsdp2-hsdp",
+    "ddp",
+    "deepspeed-z3",
+    "probe",
+)
+# shardpar's spanning layouts beyond the defaults (two-hop ReduceScatter, hierarchical AllGather):
+# "min" gathers across nodes once a step and reduces across them once a step (issue 28's knobs),
+# "int8" also quantizes both cross-node hops.
+SPAN_KNOBS: dict[str, dict[str, bool]] = {
+    "shardpar-span": {},
+    "shardpar-span-min": {"sdp_node_secondary_shard": True, "sdp_defer_cross_node_reduce": True},
+    "shardpar-span-int8": {
+        "sdp_node_secondary_shard": True,
+        "sdp_defer_cross_node_reduce": True,
+        "sdp_quantize_cross_node_weights": True,
+        "sdp_quantize_cross_node_gradients": True,
+    },
+}
+# What shardpar's own arithmetic (shardpar.cli.cross_node.model_traffic) says the last built layout
+# sends out of each node per step: the figure the link counters are held to.
+_MODELLED: dict[str, float] = {}
 Batch = dict[str, torch.Tensor]
 # step(micro_batches) -> mean loss; done() -> full parameters (rank 0; None where not exported)
 Trainer = tuple[Callable[[list[Batch]], float], Callable[[], dict[str, torch.Tensor] | None], Callable[[], None]]
@@ -74,8 +100,9 @@ def _torch_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, clip: float,
     return step
 
 
-def setup_shardpar(args: argparse.Namespace, sdp: int) -> Trainer:
+def setup_shardpar(args: argparse.Namespace, sdp: int, knobs: dict[str, bool] | None = None) -> Trainer:
     import shardpar as smp
+    from shardpar.cli.cross_node import model_traffic
 
     smp.init(
         {
@@ -83,10 +110,12 @@ def setup_shardpar(args: argparse.Namespace, sdp: int) -> Trainer:
             "sharded_data_parallel_degree": sdp,
             "sdp_param_persistence_threshold": args.persistence_threshold,
             "sdp_gradient_clipping": args.clip,
+            **(knobs or {}),
             # ranks_per_node: None = LOCAL_WORLD_SIZE, which torchrun sets to the node's ranks
         }
     )
     model = smp.DistributedModel(build_model(args.model, args.seq), backward_passes_per_step=args.accum)
+    _MODELLED["bytes"] = model_traffic(model, args.accum).total
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps))
 
     def step(mbs: list[Batch]) -> float:
@@ -179,8 +208,8 @@ def build(layout: str, args: argparse.Namespace) -> Trainer:
     local, world = int(os.environ["LOCAL_WORLD_SIZE"]), dist.get_world_size()
     if layout == "shardpar-node":
         return setup_shardpar(args, local)
-    if layout == "shardpar-span":
-        return setup_shardpar(args, world)
+    if layout in SPAN_KNOBS:
+        return setup_shardpar(args, world, SPAN_KNOBS[layout])
     if layout in ("fsdp2-full", "fsdp2-hsdp"):
         return setup_fsdp2(args, hsdp=layout == "fsdp2-hsdp")
     if layout == "ddp":
@@ -194,6 +223,7 @@ def run_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     reader = int(os.environ["LOCAL_RANK"]) == 0
     torch.manual_seed(0)
+    _MODELLED.clear()
     step, full_params, teardown = build(layout, args)
     times, losses, tx, rx = [], [], [], []
     counters = (0, 0)
@@ -220,7 +250,10 @@ def run_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
     if params is not None and args.save_params and rank == 0:
         torch.save({k: v.float().contiguous() for k, v in params.items()}, f"{args.save_params}/{layout}.pt")
     teardown()
-    return {"layout": layout, "times": times, "loss": losses, "tx": tx, "rx": rx}
+    result = {"layout": layout, "times": times, "loss": losses, "tx": tx, "rx": rx}
+    if "bytes" in _MODELLED:
+        result["modelled"] = _MODELLED["bytes"]
+    return result
 
 
 def probe(args: argparse.Namespace) -> dict[str, Any]:
