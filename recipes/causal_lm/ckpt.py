@@ -8,8 +8,11 @@ from typing import Any
 import shardpar as smp
 
 
-def save(path: Path, tag: str, *, model: Any, optimizer: Any, user_content: Any, keep: int) -> Path:
-    """A resumable (partial) checkpoint of the model and optimizer smp built; keeps the newest `keep`."""
+def save(
+    path: Path, tag: str, *, model: Any, optimizer: Any, user_content: Any, keep: int, background: bool = False
+) -> Path:
+    """A resumable (partial) checkpoint of the model and optimizer smp built; keeps the newest `keep`.
+    `background`: an async save, committed by smp.poll_checkpoint() / smp.wait_for_checkpoint()."""
     smp.save_checkpoint(
         path,
         tag,
@@ -18,6 +21,7 @@ def save(path: Path, tag: str, *, model: Any, optimizer: Any, user_content: Any,
         optimizer=optimizer,
         user_content=user_content,
         num_kept_partial_checkpoints=keep,
+        async_save=background,
     )
     return path / f"{tag}_partial"
 

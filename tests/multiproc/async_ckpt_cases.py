@@ -153,3 +153,26 @@ def preempted_case(root: str, signal_rank: int | None, steps: int) -> dict[str, 
     finally:
         smp.stop_handling_preemption()
     return {"losses": losses, "code": None, "lines": lines, "stopped_after": steps, "start": start}
+
+
+def recipe_preempted_case(opts: Any, signal_rank: int, at_step: int) -> dict[str, Any]:
+    """recipes/causal_lm's run() with a real SIGTERM sent by `signal_rank` to itself during step `at_step`
+    (from inside its training step); the recipe's SystemExit is caught here (a pool worker must live on)."""
+    from recipes.causal_lm import train
+
+    original, calls = train._train_step, []
+
+    def step_then_signal(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == at_step and smp.rank() == signal_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    train._train_step = step_then_signal  # type: ignore[assignment]
+    try:
+        train.run(opts)
+    except SystemExit as e:
+        return {"code": e.code, "steps": len(calls)}
+    finally:
+        train._train_step = original  # type: ignore[assignment]
+    return {"code": None, "steps": len(calls)}
