@@ -14,6 +14,7 @@ from typing import Any
 
 import shardpar as smp
 from shardpar.checkpoint import async_save
+from tests import models
 from tests.multiproc.checkpoint_cases import _build, _resume, _save, _train
 
 HOLD_TIMEOUT_S = 60.0  # a held writer is released by the test well before; never waits forever
@@ -176,3 +177,46 @@ def recipe_preempted_case(opts: Any, signal_rank: int, at_step: int) -> dict[str
     finally:
         train._train_step = original  # type: ignore[assignment]
     return {"code": None, "steps": len(calls)}
+
+
+def trainer_preempted_case(out: str) -> dict[str, Any]:
+    """World 2, shardpar's Trainer: (a) 4 steps straight; (b) a real SIGTERM to rank 1 in step 2, caught
+    SystemExit; (c) resume_from_checkpoint=True of (b) to step 4."""
+    from transformers import TrainerCallback
+
+    from shardpar.integrations.transformers import Trainer
+    from tests.multiproc import trainer_cases as tc
+
+    steps, world = 4, int(os.environ["WORLD_SIZE"])
+
+    class SignalRank1(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 1 and smp.rank() == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def trainer(directory: str, *callbacks: Any) -> Any:
+        return Trainer(
+            model=models.tiny_neox(0),
+            args=tc.training_args(f"{out}/{directory}", world, max_steps=steps),
+            train_dataset=tc.TokenDataset(steps * tc.ACCUM * tc.GLOBAL_BATCH, 0),
+            callbacks=list(callbacks),
+            shardpar_config=tc.SHARD,
+        )
+
+    straight = trainer("a")
+    straight.train()
+    result: dict[str, Any] = {"straight": tc._history(straight)["loss"]}
+    smp.shutdown()
+    stopped = trainer("b", SignalRank1())
+    try:
+        stopped.train()
+        result["code"] = None
+    except SystemExit as e:
+        result["code"] = e.code
+    result["stopped"] = tc._history(stopped)["loss"]
+    result["listing"] = sorted(p.name for p in Path(f"{out}/b").iterdir())
+    smp.shutdown()
+    resumed = trainer("b")
+    resumed.train(resume_from_checkpoint=True)
+    result["resumed"] = tc._history(resumed)["loss"]
+    return result

@@ -112,3 +112,12 @@ def test_recipe_saves_in_the_background_and_on_sigterm_then_resumes(ranks, tmp_p
     losses = [r["loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")]
     assert len(losses) == 5
     assert max(abs(a - b) for a, b in zip(losses, straight.losses, strict=True)) <= 1e-6, (losses, straight.losses)
+
+
+@pytest.mark.slow  # three short Trainer runs
+def test_trainer_saves_on_sigterm_and_resumes(ranks, tmp_path: Path) -> None:
+    for r in ranks.run(2, cases.trainer_preempted_case, str(tmp_path), timeout=600):
+        assert r["code"] == smp.PREEMPTED_EXIT_CODE and r["listing"] == ["checkpoint-2"], r
+        assert r["stopped"] == r["straight"][:2]
+        tail = r["resumed"][-2:]
+        assert len(tail) == 2 and max(abs(a - b) for a, b in zip(tail, r["straight"][2:], strict=True)) <= 1e-5, r
