@@ -104,8 +104,7 @@ def pending_tag() -> str | None:
 def start(coord: Coordinator, job: _partial.SaveJob, held: list[atomic.TmpDir]) -> Path:
     """Stage this rank's tensors, freeze the index's model-side entries, start the writer; the final path.
 
-    A collective (staging failures are agreed on like the synchronous phases). The caller has waited
-    for any previous async save (`finish`).
+    Local (no collective). The caller has waited for any previous async save (`finish`).
     """
     global _pending
     if _pending is not None:
@@ -114,15 +113,17 @@ def start(coord: Coordinator, job: _partial.SaveJob, held: list[atomic.TmpDir]) 
     staged: dict[str, torch.Tensor] = {}
     report: dict[str, Any] = {}
 
-    def stage() -> None:
+    # No agreement here (it would be one more collective in the stall): a rank whose staging fails keeps
+    # the error, starts no writer, and the commit raises it on every rank like a failed write.
+    pending = _Pending(job, coord, held, report)
+    try:
         tensors, rep = _partial.collect_rank_file(model, optimizer)
         staged.update(_staging.stage(tensors))
         report.update(rep)
         if coord.is_root:
             job.freeze()  # lr, loss scaler, backward count as of this call, not as of the commit
-
-    coord.gather("save_checkpoint(async_save=True): staging", stage)
-    pending = _Pending(job, coord, held, report)
+    except Exception as e:
+        pending.error = e
     rank = model.topology.coords.rank
 
     def write() -> None:
@@ -135,8 +136,11 @@ def start(coord: Coordinator, job: _partial.SaveJob, held: list[atomic.TmpDir]) 
         finally:
             pending.done.set()
 
-    pending.thread = threading.Thread(target=write, name=f"shardpar-ckpt-writer-{job.tag}", daemon=True)
     _pending = pending
+    if pending.error is not None:
+        pending.done.set()
+        return job.final
+    pending.thread = threading.Thread(target=write, name=f"shardpar-ckpt-writer-{job.tag}", daemon=True)
     pending.thread.start()
     return job.final
 
