@@ -10,7 +10,8 @@ A small GPT-NeoX on `world` CPU ranks (gloo). Per phase, on every rank:
           once every writer is done, so the steps in between pay the writer's competition and the poll
 The stall of a save is the slowest rank's (every rank waits for it at the next collective). Targets:
 async stall <= 0.2 x sync stall, the steps between async saves <= 1.05 x plain steps. Staging memory is
-this rank's host buffers (reused by every save); the shard bytes are its file's size.
+this rank's host buffers (allocated by the first async save, reused by the next ones: the first stall
+includes their first touch); the shard bytes are its file's size.
 """
 
 from __future__ import annotations
@@ -103,11 +104,12 @@ def main() -> None:
     print(f"plain step                          {plain * 1e3:8.1f} ms")
     stall = {}
     for mode in ("sync", "async"):
-        stall[mode] = mean(max(r[mode]["stall"][i] for r in res) for i in range(a.saves))
+        each = [max(r[mode]["stall"][i] for r in res) for i in range(a.saves)]
+        stall[mode] = mean(each)
         between = mean(max(r[mode]["between"][i] for r in res) for i in range(a.saves * a.every))
         print(
             f"{mode:5} stall per save {stall[mode] * 1e3:8.1f} ms   steps between saves {between * 1e3:8.1f} ms "
-            f"({between / plain:.3f} x plain)"
+            f"({between / plain:.3f} x plain); each save {', '.join(f'{t * 1e3:.0f}' for t in each)} ms"
         )
     print(f"async / sync stall                  {stall['async'] / stall['sync']:.3f} (target <= 0.2)")
     for r, out in enumerate(res):
