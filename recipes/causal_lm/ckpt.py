@@ -26,6 +26,18 @@ def save(
     return path / f"{tag}_partial"
 
 
+def commit(*, raise_errors: bool) -> str | None:
+    """The pending background save, committed on every rank (`newest` moves); its error as text when
+    `raise_errors` is off (the ranks agree on it), else None."""
+    try:
+        smp.wait_for_checkpoint()
+    except Exception as err:
+        if raise_errors:
+            raise
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def resume(path: Path, tag: str) -> Any:
     """Load `tag` ("newest": the newest) into the model and optimizer smp built; its user_content."""
     # A missing tag is the facade's CheckpointError (naming the directory), after it restored a

@@ -236,13 +236,9 @@ def _preempted(job: _Job, step: int, tokens: int, saved: bool) -> None:
 
 
 def _commit(job: _Job) -> None:
-    """The pending background save, committed on every rank (`newest` moves)."""
-    try:
-        smp.wait_for_checkpoint()
-    except Exception as err:
-        if job.opts.checkpoint_errors == "raise":
-            raise
-        _warn(job, f"background checkpoint FAILED, training goes on: {type(err).__name__}: {err}")
+    failure = ckpt.commit(raise_errors=job.opts.checkpoint_errors == "raise")
+    if failure:
+        _warn(job, f"background checkpoint FAILED, training goes on: {failure}")
 
 
 def _record(job: _Job, step: int, gathered: list[Any], lr: float, elapsed: float, tokens: int) -> report.StepRecord:
