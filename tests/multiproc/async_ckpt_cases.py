@@ -98,6 +98,22 @@ def async_failure_and_keep_case(root: str) -> dict[str, Any]:
             error = f"{type(e).__name__}: {e}"
     finally:
         async_save.before_write = None
+    staging_error = ""
+    stage = async_save._staging.stage
+    if smp.rank() == 1:  # staging fails on one rank: the call returns there too, the commit raises everywhere
+
+        def refuse(tensors: Any) -> Any:
+            raise RuntimeError("simulated: no pinned memory left")
+
+        async_save._staging.stage = refuse  # type: ignore[method-assign]
+    try:
+        _save(root, "c", model, opt, async_save=True)
+        try:
+            smp.wait_for_checkpoint()
+        except Exception as e:
+            staging_error = f"{type(e).__name__}: {e}"
+    finally:
+        async_save._staging.stage = stage  # type: ignore[method-assign]
     smp.barrier()  # rank 0 removes the failed save's directory as it raises; list after it did
     after_failure = {
         "newest": (Path(root) / "newest").read_text(),
@@ -119,6 +135,7 @@ def async_failure_and_keep_case(root: str) -> dict[str, Any]:
     resumed = model.state_dict()
     return {
         "error": error,
+        "staging_error": staging_error,
         "after_failure": after_failure,
         "listing": sorted(p.name for p in Path(root).iterdir()),
         "newest": (Path(root) / "newest").read_text(),

@@ -47,6 +47,7 @@ def test_async_save_writes_what_a_sync_save_writes_while_training_goes_on(ranks,
 def test_failed_async_write_keeps_newest_and_keep_n_prunes(ranks, tmp_path: Path) -> None:
     for r in ranks.run(2, cases.async_failure_and_keep_case, str(tmp_path)):
         assert "failed on 1 of 2 ranks" in r["error"] and "rank 1: OSError: simulated: disk full" in r["error"]
+        assert "rank 1: RuntimeError: simulated: no pinned memory left" in r["staging_error"], r["staging_error"]
         assert r["after_failure"]["newest"] == "a"
         assert r["after_failure"]["listing"] == ["a_partial", "newest"], r["after_failure"]["listing"]
         assert r["listing"] == ["k2_partial", "last_partial", "newest"], r["listing"]
