@@ -8,8 +8,11 @@ from typing import Any
 import shardpar as smp
 
 
-def save(path: Path, tag: str, *, model: Any, optimizer: Any, user_content: Any, keep: int) -> Path:
-    """A resumable (partial) checkpoint of the model and optimizer smp built; keeps the newest `keep`."""
+def save(
+    path: Path, tag: str, *, model: Any, optimizer: Any, user_content: Any, keep: int, background: bool = False
+) -> Path:
+    """A resumable (partial) checkpoint of the model and optimizer smp built; keeps the newest `keep`.
+    `background`: an async save, committed by smp.poll_checkpoint() / smp.wait_for_checkpoint()."""
     smp.save_checkpoint(
         path,
         tag,
@@ -18,8 +21,21 @@ def save(path: Path, tag: str, *, model: Any, optimizer: Any, user_content: Any,
         optimizer=optimizer,
         user_content=user_content,
         num_kept_partial_checkpoints=keep,
+        async_save=background,
     )
     return path / f"{tag}_partial"
+
+
+def commit(*, raise_errors: bool) -> str | None:
+    """The pending background save, committed on every rank (`newest` moves); its error as text when
+    `raise_errors` is off (the ranks agree on it), else None."""
+    try:
+        smp.wait_for_checkpoint()
+    except Exception as err:
+        if raise_errors:
+            raise
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def resume(path: Path, tag: str) -> Any:

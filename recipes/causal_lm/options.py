@@ -49,6 +49,8 @@ class Options:
     resume: str | None = None  # "newest" or a tag
     export: bool = True
     checkpoint_errors: str = "raise"  # "warn": a failed save/export is reported and training goes on
+    async_checkpoints: bool = False  # save returns after a host copy; a background thread writes (docs/checkpoints.md)
+    preemption: bool = True  # on SIGTERM every rank saves at the step's end and exits 143 (--resume continues)
     sample_tokens: int = 64
     prompt: str = "def "
     log_every: int = 0  # 0: about 20 lines per run when stdout is not a terminal
@@ -137,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const="newest", help="resume from the newest checkpoint, or from TAG")
     p.add_argument(
         "--checkpoint-errors", choices=("raise", "warn"), help="warn: report a failed save/export and keep training"
+    )
+    p.add_argument(
+        "--async-checkpoints", action="store_true", help="write checkpoints in the background (training goes on)"
+    )
+    p.add_argument(
+        "--no-preemption", dest="preemption", action="store_false", help="SIGTERM kills at once (no save first)"
     )
     p.add_argument("--no-export", dest="export", action="store_false", help="skip the Hugging Face export")
     p.add_argument("--sample-tokens", type=int, help="tokens generated at the end (0: none)")

@@ -73,11 +73,14 @@ def run(opts: Options) -> RunResult:
     if not smp.is_initialized():
         smp.init(opts.shardpar_config())
     try:
+        if opts.preemption:
+            smp.handle_preemption()  # SIGTERM only sets a flag; the loop acts at a step's end
         job = _setup(opts)
         _train(job)
         _finish(job)
         return job.result
     finally:
+        smp.stop_handling_preemption()
         smp.shutdown()
 
 
@@ -195,7 +198,11 @@ def _train(job: _Job) -> None:
         if step == job.result.start_step:
             job.result.model_state_bytes = model_state_bytes(model, opt)
         opt.zero_grad()
-        gathered = smp.allgather((loss, report.peak_rss_mib(), report.device_peak_mib(smp.device())))
+        # the preemption flag rides on the step's all-gather: every rank learns at this same step whether any
+        # rank got SIGTERM ([Note: preemption at a step boundary])
+        gathered = smp.allgather(
+            (loss, report.peak_rss_mib(), report.device_peak_mib(smp.device()), smp.preemption_signalled())
+        )
         elapsed = time.perf_counter() - start
         tokens_seen += o.batch * o.seq * o.accum * smp.rdp_size()
         rec = _record(job, step + 1, gathered, lr, elapsed, tokens_seen)
@@ -205,10 +212,33 @@ def _train(job: _Job) -> None:
         if log is not None:
             log.write(rec)
         job.progress.update(rec)
-        if o.checkpoint_every and (rec.step % o.checkpoint_every == 0 or rec.step == o.steps):
+        saved = bool(o.checkpoint_every) and (rec.step % o.checkpoint_every == 0 or rec.step == o.steps)
+        if saved:
             _save(job, rec.step, tokens_seen)
+        if any(g[3] for g in gathered):
+            if log is not None:
+                log.close()
+            _preempted(job, rec.step, tokens_seen, saved)
+        if o.async_checkpoints:
+            smp.poll_checkpoint()  # commits the background save once every rank's writer is done
+    if o.async_checkpoints:
+        _commit(job)
     if log is not None:
         log.close()
+
+
+def _preempted(job: _Job, step: int, tokens: int, saved: bool) -> None:
+    """Every rank, at the same step: save (unless this step just did), commit, print one line, exit 143."""
+    if not saved:
+        _save(job, step, tokens)
+    _commit(job)
+    smp.exit_preempted(job.result.checkpoint, step, say=job.say if job.is_first else lambda text: None)
+
+
+def _commit(job: _Job) -> None:
+    failure = ckpt.commit(raise_errors=job.opts.checkpoint_errors == "raise")
+    if failure:
+        _warn(job, f"background checkpoint FAILED, training goes on: {failure}")
 
 
 def _record(job: _Job, step: int, gathered: list[Any], lr: float, elapsed: float, tokens: int) -> report.StepRecord:
@@ -238,6 +268,7 @@ def _save(job: _Job, step: int, tokens: int) -> None:
             optimizer=job.optimizer,
             user_content={"step": step, "tokens": tokens},
             keep=job.opts.keep_checkpoints,
+            background=job.opts.async_checkpoints,
         )
     except ValueError as err:  # an unsupported setup is refused on every rank before anything is written
         job.say(f"checkpoint step {step} skipped: {err}")

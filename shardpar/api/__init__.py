@@ -61,18 +61,28 @@ from shardpar.api.groups import (
 from shardpar.api.memory import memory_metrics
 from shardpar.api.p2p import broadcast, recv_from, send
 from shardpar.api.partition import partition, set_partition
+from shardpar.api.preemption import (
+    PREEMPTED_EXIT_CODE,
+    exit_preempted,
+    handle_preemption,
+    preemption_requested,
+    preemption_signalled,
+    stop_handling_preemption,
+)
 from shardpar.api.save import load, save
 from shardpar.api.step import StepOutput
 from shardpar.api.tp_registry import tp_register, tp_register_with_module
 from shardpar.api.training import (
     delay_param_initialization,
     model_creation,
+    poll_checkpoint,
     register_parameter,
     resume_from_checkpoint,
     save_checkpoint,
     set_tensor_parallelism,
     step,
     tensor_parallelism,
+    wait_for_checkpoint,
 )
 from shardpar.api.wrappers import DistributedModel, DistributedOptimizer
 
@@ -80,6 +90,7 @@ __all__ = [
     "DP_GROUP",
     "MP_GROUP",
     "PP_GROUP",
+    "PREEMPTED_EXIT_CODE",
     "RDP_GROUP",
     "TP_GROUP",
     "WORLD",
@@ -97,6 +108,7 @@ __all__ = [
     "dp_barrier",
     "dp_rank",
     "dp_size",
+    "exit_preempted",
     "get_config",
     "get_dp_group",
     "get_dp_process_group",
@@ -111,6 +123,7 @@ __all__ = [
     "get_tp_group",
     "get_tp_process_group",
     "get_world_process_group",
+    "handle_preemption",
     "init",
     "is_initialized",
     "is_tracing",
@@ -123,8 +136,11 @@ __all__ = [
     "mp_rank",
     "mp_size",
     "partition",
+    "poll_checkpoint",
     "pp_rank",
     "pp_size",
+    "preemption_requested",
+    "preemption_signalled",
     "rank",
     "rdp_rank",
     "rdp_sampler",
@@ -146,9 +162,11 @@ __all__ = [
     "size",
     "state",
     "step",
+    "stop_handling_preemption",
     "tensor_parallelism",
     "tp_rank",
     "tp_register",
     "tp_register_with_module",
     "tp_size",
+    "wait_for_checkpoint",
 ]

@@ -151,6 +151,19 @@ def shutdown() -> None:
     global _STATE
     if _STATE is None:
         return
+    from shardpar.checkpoint import async_save  # late: checkpoint imports this module's users
+
+    # Not a collective here (some ranks may be leaving on an error): an async save nobody committed is
+    # dropped, its writer given a minute; `newest` names the previous checkpoint.
+    dropped = async_save.abandon_local()
+    if dropped is not None:
+        import warnings
+
+        warnings.warn(
+            f"smp.shutdown(): the async checkpoint {dropped!r} was never committed (call smp.wait_for_checkpoint() "
+            "on every rank before shutdown); `newest` still names the previous checkpoint",
+            stacklevel=2,
+        )
     state, _STATE = _STATE, None
     close = getattr(state.engine.inner, "close", None)
     if close is not None:

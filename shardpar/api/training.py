@@ -19,6 +19,7 @@ from shardpar import checkpoint as _checkpoint
 from shardpar.api.context import _REGISTERED, _TP_MARKS, state
 from shardpar.api.step import StepOptions, make_step
 from shardpar.checkpoint.torch_file import load_torch_file
+from shardpar.checkpoint import async_save as _async_save
 from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
 from shardpar.runtime.model import DistributedModel as _DistributedModel
 from shardpar.sharding.deferred_init import deferred_init
@@ -193,12 +194,14 @@ def save_checkpoint(
     *,
     max_shard_size: int | None = None,
     full_dtype: torch.dtype | None = None,
+    async_save: bool = False,
 ) -> None:
     """SMP v1 semantics: `partial=True` writes each shard once (replica 0), resumable under another
     topology; `partial=False` writes a Hugging Face directory, split into files of at most
     `max_shard_size` bytes and cast to `full_dtype` (default fp32) when given. Without `optimizer`
     the last smp.DistributedOptimizer is saved when it was built over `model`. Atomic: `newest`
-    moves last."""
+    moves last. `async_save=True` (partial) returns once this rank's state is copied to host memory;
+    `smp.wait_for_checkpoint()`, `smp.poll_checkpoint()`, the next save or a resume commits it."""
     st = state()
     model = model or st.model
     if model is None:
@@ -228,7 +231,22 @@ def save_checkpoint(
         num_kept_partial_checkpoints=num_kept_partial_checkpoints,
         max_shard_size=max_shard_size,
         full_dtype=full_dtype,
+        async_save=async_save,
     )
+
+
+def wait_for_checkpoint(timeout_s: float | None = None) -> str | None:
+    """Collective: wait for the pending async save's writers and commit it (`newest` moves); its directory,
+    or None when none is pending. A failed write raises on every rank; `newest` stays where it was."""
+    final = _async_save.finish(timeout_s)
+    return str(final) if final is not None else None
+
+
+def poll_checkpoint() -> bool:
+    """Collective, at the same point of every rank's loop (e.g. after `optimizer.step()`): commit the pending
+    async save if every rank finished writing it (one small all-gather while one is pending, none
+    otherwise). True when no async save is pending any more."""
+    return _async_save.poll()
 
 
 def _optimizer_of(model: _DistributedModel) -> _DistributedOptimizer | None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from shardpar.checkpoint import async_save as _async
 from shardpar.checkpoint import atomic
 from shardpar.checkpoint import full as _full
 from shardpar.checkpoint import full_load as _full_load
@@ -55,6 +56,7 @@ def save_checkpoint(
     num_kept_partial_checkpoints: int | None = None,
     max_shard_size: int | None = None,
     full_dtype: torch.dtype | None = None,
+    async_save: bool = False,
 ) -> Path:
     """Save under `path` (a collective: every rank calls it); the finished checkpoint directory.
 
@@ -68,8 +70,18 @@ def save_checkpoint(
     (bytes) splits it into HF's sharded layout and `full_dtype` casts it (default fp32). Nothing is
     visible under the final name until every rank finished; a crash leaves the previous checkpoint
     and the `newest` pointer untouched.
+
+    async_save=True (partial only): stage this rank's tensors in host memory and return while a
+    background thread writes; the commit (index, rename, `newest`, pruning) happens at the next save,
+    resume, `async_save.poll()` or `async_save.finish()` ([Note: async checkpoint commit]). Any save
+    first commits the previous async one.
     """
     atomic.check_tag(tag)
+    if async_save and not partial:
+        raise ValueError(
+            "save_checkpoint(partial=False, async_save=True): the Hugging Face export is written synchronously; "
+            "pass async_save=False with partial=False (async_save applies to partial checkpoints)"
+        )
     if partial:
         model.window.check_save(
             "save_checkpoint(partial=True)", "are not saved (a resume would step on the rest alone); save"
@@ -85,6 +97,7 @@ def save_checkpoint(
         )
     if max_shard_size is not None and max_shard_size < 1:
         raise ValueError(f"max_shard_size={max_shard_size} must be a positive number of bytes (or None: one file)")
+    _async.finish()  # the previous async save's write and commit, on every rank at this same call
     root, coord = Path(path), Coordinator(topology, engine)
     held: list[atomic.TmpDir] = []  # rank 0: the temporary directory, locked while this save is in flight
 
@@ -96,6 +109,13 @@ def save_checkpoint(
     try:
         tmp, checkpoint_id, content = coord.on_root("save_checkpoint: preparing", prepare)
         try:
+            if async_save:
+                job = _partial.SaveJob(
+                    root, tag, Path(tmp), checkpoint_id, content, model, optimizer, num_kept_partial_checkpoints
+                )
+                final = _async.start(coord, job, list(held))
+                held.clear()  # the pending save releases the lock after its commit
+                return final
             if partial:
                 return _save_partial(
                     coord, root, tag, Path(tmp), checkpoint_id, content, model, optimizer, num_kept_partial_checkpoints
@@ -208,6 +228,7 @@ def resume_from_checkpoint(
     # gradients, so the saved backward count is not restored.
     if tag is not None:
         atomic.check_tag(tag)  # as save does: "../x" would read outside `path`
+    _async.finish()  # an async save in flight is committed (or fails) before anything is read
     model.window.check_save("resume_from_checkpoint", "would be added to the loaded model's first step; resume")
     root, coord = Path(path), Coordinator(topology, engine)
     # A re-save that crashed between its two renames is undone first ([Note: re-saving a tag]), and

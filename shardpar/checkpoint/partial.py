@@ -13,6 +13,7 @@ parameter, scalars (`step`) go to the JSON. Loading is reshard.py.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,14 @@ def write_rank_file(
     tmp: Path, checkpoint_id: str, model: DistributedModel, optimizer: DistributedOptimizer | None
 ) -> dict[str, Any]:
     """Write this rank's file (writers only, see `writes`); a JSON-able report for the index."""
+    tensors, report = collect_rank_file(model, optimizer)
+    return write_collected(tmp, checkpoint_id, model.topology.coords.rank, tensors, report)
+
+
+def collect_rank_file(
+    model: DistributedModel, optimizer: DistributedOptimizer | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's tensors (views of the live ones, in file order) and its report without the file entry."""
     coords = model.topology.coords
     tensors: dict[str, torch.Tensor] = {}
     pieces: dict[str, list[int]] = {}
@@ -70,9 +79,15 @@ def write_rank_file(
     if coords.rank == 0:
         for name, buf in persistent_buffers(model).items():
             tensors[ix.buffer_key(name)] = buf
-    report: dict[str, Any] = {"pieces": pieces, "state": state_meta, "rng": _rng_report(), "file": None}
+    return tensors, {"pieces": pieces, "state": state_meta, "rng": _rng_report(), "file": None}
+
+
+def write_collected(
+    tmp: Path, checkpoint_id: str, rank: int, tensors: dict[str, torch.Tensor], report: dict[str, Any]
+) -> dict[str, Any]:
+    """Write `tensors` as this rank's file (nothing when empty); `report` with its file entry."""
     if tensors:
-        name = ix.shard_file(coords.rank)
+        name = ix.shard_file(rank)
         written = write_tensors(tmp / name, tensors, {"checkpoint_id": checkpoint_id, "format": "pt"})
         table = {k: [dtype_name(t.dtype), list(t.shape)] for k, t in tensors.items()}
         report["file"] = {"name": name, "bytes": written.bytes, "tensors": table, "checksums": written.checksums}
@@ -90,6 +105,7 @@ class SaveJob:
     optimizer: DistributedOptimizer | None
     num_kept: int | None
     reports: list[dict[str, Any]] = field(default_factory=list)
+    frozen: dict[str, Any] | None = None  # the index's model-side entries, taken by freeze()
 
     @property
     def final(self) -> Path:
@@ -123,22 +139,43 @@ class SaveJob:
             prune(self.root, keep=self.num_kept, protect=self.final)
         return str(self.final)
 
-    def build_index(self, files: dict[str, Any]) -> dict[str, Any]:
+    def freeze(self) -> dict[str, Any]:
+        """Take the index's entries that come from the live model and optimizer (shapes, param groups with
+        their `lr`, loss scaler, backward count) now: an async save commits after training moved on."""
         model, plan = self.model, self.model.topology.plan
         params: dict[str, Any] = {}
         for slot in slots(model):  # rank 0's: every TP rank has the same FQNs, and the cut is the same
             entry = {"shape": list(slot.cut.full_shape), "dtype": dtype_name(slot.value.dtype), "pieces": []}
             tp = ix.cut_entry(slot.cut)
             params[slot.fqn] = entry if tp is None else {**entry, "tp": tp}
+        buffers = {
+            n: {"file": ix.shard_file(0), "dtype": dtype_name(b.dtype), "shape": list(b.shape)}
+            for n, b in persistent_buffers(model).items()
+        }
+        self.frozen = {
+            "params": params,
+            "buffers": buffers,
+            "num_backward": model.window.num_backward,
+            "topology": {"world": plan.world, "tp": plan.tp, "sdp": plan.sdp, "ranks_per_node": plan.ranks_per_node},
+            "optimizer": self._optimizer_groups(),
+            "loss_scaler": self.optimizer.loss_scaler_state() if self.optimizer is not None else None,
+            "world": plan.world,
+        }
+        return self.frozen
+
+    def build_index(self, files: dict[str, Any]) -> dict[str, Any]:
+        frozen = copy.deepcopy(self.frozen if self.frozen is not None else self.freeze())
+        params = frozen["params"]
         for rep in self.reports:
             for fqn, (start, length, tp_rank) in rep["pieces"].items():
                 params[fqn]["pieces"].append([rep["file"]["name"], start, length, tp_rank])
         for entry in params.values():
             entry["pieces"].sort(key=lambda p: (p[3], p[1]))
-        buffers = {
-            n: {"file": ix.shard_file(0), "dtype": dtype_name(b.dtype), "shape": list(b.shape)}
-            for n, b in persistent_buffers(model).items()
-        }
+        optimizer = frozen["optimizer"]
+        if optimizer is not None:
+            for rep in self.reports:  # first writer in rank order wins; writers of one parameter agree
+                for fqn, meta in rep["state"].items():
+                    optimizer["state"].setdefault(fqn, meta)
         return {
             "format": ix.FORMAT,
             "version": ix.VERSION,
@@ -146,18 +183,18 @@ class SaveJob:
             "checkpoint_id": self.checkpoint_id,
             "saved_at_ns": time.time_ns(),
             "step": self._step(),
-            "num_backward": model.window.num_backward,
-            "topology": {"world": plan.world, "tp": plan.tp, "sdp": plan.sdp, "ranks_per_node": plan.ranks_per_node},
+            "num_backward": frozen["num_backward"],
+            "topology": frozen["topology"],
             "files": files,
             "params": params,
-            "buffers": buffers,
-            "optimizer": self._optimizer_entry(),
-            "loss_scaler": self.optimizer.loss_scaler_state() if self.optimizer is not None else None,
-            "rng": {"file": ix.RNG_FILE, "world": plan.world},
+            "buffers": frozen["buffers"],
+            "optimizer": optimizer,
+            "loss_scaler": frozen["loss_scaler"],
+            "rng": {"file": ix.RNG_FILE, "world": frozen["world"]},
             "user_content": self.user_content,
         }
 
-    def _optimizer_entry(self) -> dict[str, Any] | None:
+    def _optimizer_groups(self) -> dict[str, Any] | None:
         if self.optimizer is None:
             return None
         fqn_of = fqn_of_piece(self.model, self.optimizer)
@@ -168,11 +205,7 @@ class SaveJob:
             }
             for g in self.optimizer.param_groups
         ]
-        state: dict[str, Any] = {}
-        for rep in self.reports:  # first writer in rank order wins; writers of one parameter agree
-            for fqn, meta in rep["state"].items():
-                state.setdefault(fqn, meta)
-        return {"class": type(self.optimizer.optimizer).__name__, "param_groups": groups, "state": state}
+        return {"class": type(self.optimizer.optimizer).__name__, "param_groups": groups, "state": {}}
 
     def _step(self) -> int | None:
         """The optimizer's step count where its state keeps one (`step`, as Adam does); informative."""

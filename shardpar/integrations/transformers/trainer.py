@@ -22,6 +22,8 @@ Each Trainer step goes through shardpar's own API:
   checkpoint: every shard once, optimizer state, loss scaler), `scheduler.pt`, `trainer_state.json`,
   `rng_state_*.pth`.
 - `resume_from_checkpoint`: the partial checkpoint, resharded to this run's world size and sdp.
+- SIGTERM (spot, Kubernetes, SLURM): `checkpoint-<step>` saved at the end of that step on every rank, then
+  exit code 143 (`Trainer(..., shardpar_preemption=False)`: the signal's default).
 - data: accelerate's per-rank split, over the reduced-data-parallel ranks (a TP group reads one batch).
 """
 
@@ -46,6 +48,7 @@ from shardpar.integrations.accelerate import SHARDPAR_DIR, Accelerator
 from shardpar.integrations.accelerated import ShardparOptimizer, distributed_optimizer
 from shardpar.integrations.hf_export import save_full_weights
 from shardpar.integrations.peft_export import is_peft_model, load_adapter, save_adapter
+from shardpar.integrations.transformers.preemption import PreemptionCallback
 from shardpar.integrations.transformers.settings import check_trainer_arguments, trainer_config
 from shardpar.optim.clipping import TRAINER
 from shardpar.optim.optimizer import DistributedOptimizer
@@ -61,6 +64,7 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *more: Any, **kwargs: Any) -> None:
         shardpar_config = kwargs.pop("shardpar_config", None)
+        preemption = kwargs.pop("shardpar_preemption", True)
         given = _TRAINER_INIT.bind_partial(None, model, args, *more, **kwargs).arguments
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
         # Refusals first: every rank raises the same error before shardpar does any work.
@@ -82,6 +86,25 @@ class Trainer(transformers.Trainer):
             wrapped = smp.DistributedModel(plain, backward_passes_per_step=self.args.gradient_accumulation_steps)
         self.model = self.model_wrapped = wrapped
         self.callback_handler.model = wrapped
+        self._preemption = PreemptionCallback() if preemption else None
+        if self._preemption is not None:
+            self.add_callback(self._preemption)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' train(); with `shardpar_preemption` (default True) SIGTERM saves `checkpoint-<step>`
+        at the end of the step on every rank, then exits with smp.PREEMPTED_EXIT_CODE (resume with
+        `resume_from_checkpoint=True`)."""
+        if self._preemption is None:
+            return super().train(*args, **kwargs)
+        smp.handle_preemption()
+        try:
+            out = super().train(*args, **kwargs)
+            step = self._preemption.preempted_at
+            if step is not None:
+                smp.exit_preempted(os.path.join(self.args.output_dir or ".", f"checkpoint-{step}"), step)
+            return out
+        finally:
+            smp.stop_handling_preemption()
 
     # ---- accelerator, model, optimizer ------------------------------------------------------------
 
