@@ -11,7 +11,17 @@ Failures never hang the suite:
   * a rank that hangs  -> after `timeout` seconds every live rank's Python stack is dumped (faulthandler),
                           the pool is killed and `RankFailure` carries the stacks.
 Case functions must be importable (module top level); their results must be picklable. After every
-case the worker calls `smp.shutdown()`, so each case starts from a clean facade.
+case the worker calls `smp.shutdown()`, so each case starts from a clean facade, destroys the process
+groups the case made itself, and collects garbage ([Note: pool worker resources]).
+
+# [Note: pool worker resources]
+# A worker serves hundreds of cases, and each case's smp.init() makes process groups. A gloo group
+# owns 3 threads and a socket per peer until its Python object is freed -- destroy_process_group only
+# unregisters it -- and a wrapped model is held in reference cycles (module <-> hooks) that only the
+# cyclic collector frees, at some later collection. Left to that, the workers of a whole run held
+# ~350 gloo contexts and ~1,000 threads each (issue 29 item 8). So after every case the worker
+# destroys the groups still registered besides WORLD and runs gc.collect(): what the case made is
+# gone before the next starts, and `worker_resources` can count what is left.
 """
 
 from __future__ import annotations
@@ -62,22 +72,45 @@ def _worker(rank: int, world: int, port: int, conn: Connection, env: dict[str, s
             except BaseException:
                 conn.send(("err", traceback.format_exc()))
             finally:
-                _reset_facade()
+                _reset_case()
         dist.destroy_process_group()
 
 
-def _reset_facade() -> None:
+def _reset_case() -> None:
+    """What a case leaves behind goes before the next case ([Note: pool worker resources])."""
+    import gc
     import sys
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     api = sys.modules.get("shardpar.api.context")
     if api is not None:
         api.shutdown()  # type: ignore[attr-defined]
+    if dist.is_initialized():
+        for pg in list(distributed_c10d._world.pg_map):
+            if pg is not dist.group.WORLD:
+                dist.destroy_process_group(pg)  # a group the case made with dist.new_group itself
+    gc.collect()
+
+
+def worker_resources() -> dict[str, int]:
+    """This worker's OS threads and registered process groups (WORLD included): a case to run on a pool
+    to check that serving cases leaves nothing behind."""
+    from torch.distributed import distributed_c10d
+
+    return {
+        "threads": len(os.listdir("/proc/self/task")),
+        "process_groups": len(distributed_c10d._world.pg_map),
+    }
 
 
 class RankPool:
     """N spawned ranks in one gloo world, reused across cases."""
 
-    def __init__(self, world: int, *, env: Mapping[str, str] | None = None, start_timeout: float = 120.0) -> None:
+    # start_timeout bounds a hang, not a budget: N ranks importing torch on a loaded 2-core machine took
+    # over 120 s (issue 29 item 8).
+    def __init__(self, world: int, *, env: Mapping[str, str] | None = None, start_timeout: float = 600.0) -> None:
         self.world = world
         self.env = dict(env or {})
         self._dir = tempfile.TemporaryDirectory(prefix=f"shardpar-pool{world}-")

@@ -147,7 +147,9 @@ def _check_same_config(cfg: Config, ranks_per_node: int, world: int) -> None:
 
 
 def shutdown() -> None:
-    """Release the topology's process groups (and the default group if `init` created it)."""
+    """Release the process groups `init` and the group queries made (and the default group if `init`
+    created it). A gloo group frees its threads and sockets when its last reference goes: a model or
+    optimizer still referenced keeps its topology's groups until it is dropped."""
     global _STATE
     if _STATE is None:
         return
@@ -171,8 +173,8 @@ def shutdown() -> None:
     if not dist.is_initialized():
         return
     seen: set[int] = set()
-    for group in state.topology.groups.values():
-        pg = group.handle
+    # pp_group: smp.get_pp_process_group() made it on first use; it is this facade's group as well.
+    for pg in [*(group.handle for group in state.topology.groups.values()), state.pp_group]:
         if pg is None or pg is dist.group.WORLD or id(pg) in seen:
             continue
         seen.add(id(pg))

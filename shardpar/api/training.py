@@ -18,8 +18,8 @@ from torch import nn
 from shardpar import checkpoint as _checkpoint
 from shardpar.api.context import _REGISTERED, _TP_MARKS, state
 from shardpar.api.step import StepOptions, make_step
-from shardpar.checkpoint.torch_file import load_torch_file
 from shardpar.checkpoint import async_save as _async_save
+from shardpar.checkpoint.torch_file import load_torch_file
 from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
 from shardpar.runtime.model import DistributedModel as _DistributedModel
 from shardpar.sharding.deferred_init import deferred_init

@@ -70,6 +70,25 @@ def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compiler.disable(fn, recursive=True)
 
 
+def _weakly(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """`method` (a ModelHooks method) through a weak reference, for hooks that C++ holds.
+
+    [Note: hook cycles] A post-accumulate-grad hook is kept by the parameter's autograd metadata, a C++
+    reference the garbage collector cannot see. A hook holding the ModelHooks strongly makes the cycle
+    parameter -> hook -> ModelHooks -> units -> parameter uncollectable: every model ever wrapped, its
+    shards and the process groups its topology holds (3 gloo threads and a socket per peer each) stay
+    alive after smp.shutdown(), for the life of the process. The model keeps its ModelHooks alive;
+    once the model is gone the hook finds nothing and does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+
+    return call
+
+
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
@@ -137,10 +156,12 @@ class ModelHooks:
             self.handles.append(unit.module.register_forward_hook(_eager(self._make_post_forward(unit))))
             for p in unit.params:
                 if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(_eager(self._on_grad_accumulated)))
+                    self.handles.append(
+                        p.register_post_accumulate_grad_hook(_eager(_weakly(self._on_grad_accumulated)))
+                    )
         for p in self.persistent.params:
             if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(_eager(self._on_grad_accumulated)))
+                self.handles.append(p.register_post_accumulate_grad_hook(_eager(_weakly(self._on_grad_accumulated))))
         self.handles.append(self.root.register_forward_pre_hook(_eager(self._root_pre_forward)))
 
     # ---- forward ------------------------------------------------------------------------------

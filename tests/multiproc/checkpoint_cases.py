@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -615,10 +614,11 @@ def scaler_across_precisions_case(root_s: str) -> dict[str, Any]:
 def export_fails_on_rank_0_case(root: str) -> dict[str, Any]:
     """Rank 0's cast of the second exported tensor raises, in the middle of the unit AllGathers. Before,
     rank 0 left them for the error agreement while rank 1 waited in the next unit's AllGather until
-    the timeout, and the real error was lost."""
+    the timeout, and the real error was lost. The collective timeout is an hour, far past the test's
+    bound on the case: a rank that waited for it is reported hung, with no clock read here."""
     import shardpar.checkpoint.full as full_mod
 
-    model, _, _ = _build(2, collective_timeout_s=60)
+    model, _, _ = _build(2, collective_timeout_s=3600)
     real = full_mod._original
     calls = [0]
 
@@ -630,7 +630,6 @@ def export_fails_on_rank_0_case(root: str) -> dict[str, Any]:
 
     if smp.rank() == 0:
         full_mod._original = failing  # type: ignore[assignment]
-    start = time.monotonic()
     try:
         smp.save_checkpoint(root, "export", partial=False, model=model)
         error = "no error"
@@ -638,4 +637,4 @@ def export_fails_on_rank_0_case(root: str) -> dict[str, Any]:
         error = f"{type(e).__name__}: {e}"
     finally:
         full_mod._original = real  # type: ignore[assignment]
-    return {"error": error, "seconds": time.monotonic() - start, "published": (Path(root) / "export").exists()}
+    return {"error": error, "published": (Path(root) / "export").exists()}

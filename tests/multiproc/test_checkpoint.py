@@ -182,7 +182,8 @@ def test_loss_scaler_state_resumes_only_into_a_matching_fp16_scaler(ranks, tmp_p
 
 
 def test_an_export_that_fails_on_rank_0_raises_everywhere_at_once(ranks, tmp_path: Path) -> None:
-    for rank, r in enumerate(ranks.run(2, cases.export_fails_on_rank_0_case, str(tmp_path), timeout=120)):
+    # The case's collective timeout is an hour: a rank left waiting for it would be reported hung here
+    # (RankFailure after 300 s), so the run returning at all shows both ranks raised without waiting.
+    for rank, r in enumerate(ranks.run(2, cases.export_fails_on_rank_0_case, str(tmp_path), timeout=300)):
         assert "test: the cast failed" in r["error"], (rank, r)
-        assert r["seconds"] < 30, (rank, r)  # not the 60 s collective timeout
         assert not r["published"], (rank, r)

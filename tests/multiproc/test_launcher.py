@@ -57,11 +57,10 @@ def _return_a_lock() -> threading.Lock:
 
 def test_a_result_that_cannot_be_pickled_fails_at_once() -> None:
     # Before, the queue's feeder thread dropped the pickling error, the rank exited 0 without a
-    # result, and the launcher waited out its whole timeout.
-    start = time.monotonic()
+    # result, and the launcher waited out its whole timeout. The message tells the two apart: waiting
+    # out the timeout raises "did not finish in 60 s" (no clock read here).
     with pytest.raises(LaunchError, match=r"rank 0 failed:\nits return value \(lock\) cannot be pickled \(TypeError"):
         launch_local(_return_a_lock, 1, timeout_s=60)
-    assert time.monotonic() - start < 30
 
 
 def _exit_quietly_while_a_peer_waits(pid_file: str) -> None:
@@ -73,12 +72,11 @@ def _exit_quietly_while_a_peer_waits(pid_file: str) -> None:
 
 
 def test_a_rank_that_exits_0_without_a_result_fails_at_once(tmp_path: Path) -> None:
-    # Before, exit code 0 counted as alive: the launcher waited out its whole timeout (3600 s by default).
+    # Before, exit code 0 counted as alive: the launcher waited out its whole timeout (3600 s by default)
+    # and said "did not finish in 60 s"; the message is what shows it did not (no clock read here).
     pid_file = tmp_path / "rank0.pid"
-    start = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 1 exited \(code 0\) without returning a result"):
-        launch_local(_exit_quietly_while_a_peer_waits, 2, str(pid_file), timeout_s=30)
-    assert time.monotonic() - start < 20
+        launch_local(_exit_quietly_while_a_peer_waits, 2, str(pid_file), timeout_s=60)
     if pid_file.exists():  # rank 0 got as far as waiting: it was stopped, not left behind
         with pytest.raises(ProcessLookupError):
             os.kill(int(pid_file.read_text()), 0)

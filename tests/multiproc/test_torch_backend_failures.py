@@ -107,9 +107,9 @@ def _entry(case: str, rank: int, port: int, out: str) -> None:
     os._exit(0)  # no destroy_process_group: the peer may be gone
 
 
-def _run(case: str, tmp: Path, *, stop_after: float | None = None) -> list[dict[str, Any] | None]:
-    """Both ranks of `case`. With `stop_after`, a rank still running then gets SIGTERM (torchrun's
-    reaction to a failed member); without, a rank still running after 60 s fails the test."""
+def _run(case: str, tmp: Path) -> list[dict[str, Any] | None]:
+    """Both ranks of `case`; a rank still running after 300 s (a bound on a hang that includes the spawn
+    and torch's import, which alone took minutes on a loaded machine) is terminated and fails the test."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -118,14 +118,14 @@ def _run(case: str, tmp: Path, *, stop_after: float | None = None) -> list[dict[
     procs = [ctx.Process(target=_entry, args=(case, r, port, str(outs[r]))) for r in range(2)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + (stop_after or 60.0)
+    deadline = time.monotonic() + 300.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     running = [p for p in procs if p.is_alive()]
     for p in running:
         p.terminate()
         p.join(10)
-    if running and stop_after is None:
+    if running:
         raise AssertionError(f"{case}: a rank hung")
     return [json.loads(o.read_text()) if o.exists() else None for o in outs]
 
@@ -160,8 +160,11 @@ def test_a_pg_timeout_past_the_transports_limit_still_reduces(tmp_path: Path) ->
 
 def test_a_member_failing_before_any_collective_leaves_no_segment(tmp_path: Path) -> None:
     before = _segments()
-    # The survivor's first collective finds the peer gone. Attached at that first call, it waited for
-    # the peer to attach, was stopped by the launcher, and left the segment's name behind.
-    first, second = _run("_fails_before_any_collective", tmp_path, stop_after=8.0)
+    # The survivor's first collective finds the peer gone. Attached at that first call, it used to wait
+    # for the peer to attach until the launcher stopped it, leaving the segment's name behind. What
+    # proves the dead peer was noticed (not waited out) is the error's kind: ShmPeerError from the
+    # liveness check, where waiting for the 20 s PG timeout gives ShmTimeoutError -- no time budget
+    # (the old 8 s from spawn failed when importing torch alone took that long on a loaded machine).
+    first, second = _run("_fails_before_any_collective", tmp_path)
     assert second is None and first is not None and first["all_reduce"].startswith("ShmPeerError"), first
     assert _segments() - before == set()

@@ -38,7 +38,7 @@ def test_v1_p2p_errors_name_the_rule_and_the_peer(ranks) -> None:
         assert errors["type"].startswith("TypeError: smp.recv_from(src_rank=0, 'world'): rank_type must be")
     timeout = res[1]["timeout"]
     assert "global rank 2 sending" in timeout and "collective_timeout_s=3 s" in timeout, timeout
-    assert 2.5 <= float(res[1]["waited"]) <= 13.0
+    assert res[1]["store_waits"] == [3.0], res[1]  # one wait, bounded by collective_timeout_s
 
 
 def test_an_optimizer_of_a_tp_model_without_its_split_table_is_refused(ranks) -> None:
@@ -47,9 +47,8 @@ def test_an_optimizer_of_a_tp_model_without_its_split_table_is_refused(ranks) ->
 
 
 def test_every_member_broadcasting_without_src_is_an_error_not_a_hang(ranks) -> None:
-    for r in ranks.run(2, v1_api_cases.everyone_broadcasts_case):
-        seconds, msg = r.split(" ", 1)
-        assert float(seconds) < 10.0 and "pass src=<global rank>" in msg, r
+    for msg in ranks.run(2, v1_api_cases.everyone_broadcasts_case):
+        assert "pass src=<global rank>" in msg, msg
 
 
 def test_the_sdp_templates_step_outputs_and_deepspeed_views(ranks) -> None:

@@ -23,6 +23,29 @@ def store() -> dist.Store:
     return s
 
 
+class _Clock:
+    """failures.time for a test: monotonic() is the sum of the sleeps so far, and the sleeps are
+    counted, so a wait is judged by its polls and its simulated length, never by a real clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps = 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(failures, "time", fake)
+    return fake
+
+
 @pytest.fixture(autouse=True)
 def _keep_excepthook(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # boards install theirs: undo it after the test
@@ -59,12 +82,11 @@ def test_a_rank_stuck_behind_a_stuck_rank_names_the_one_that_never_arrived(store
     assert found == {0: [2], 1: [2], 3: [2]}
 
 
-def test_ranks_all_stuck_somewhere_name_nobody(store: dist.Store) -> None:
+def test_ranks_all_stuck_somewhere_name_nobody(store: dist.Store, clock: _Clock) -> None:
     boards = [FailureBoard(store, r) for r in range(2)]
     boards[1].missing_after_timeout((0, 1), settle_s=0.0)
-    t0 = time.monotonic()
     assert boards[0].missing_after_timeout((0, 1), settle_s=5.0) == []
-    assert time.monotonic() - t0 < 1.0  # no need to wait out the settle time
+    assert clock.sleeps == 0  # no need to wait out the settle time: everyone had checked in
 
 
 def test_a_dead_member_on_this_host_is_found_by_its_pid(store: dist.Store) -> None:
@@ -95,12 +117,15 @@ def test_culprit_messages(store: dist.Store) -> None:
     )
 
 
-def test_nothing_posted_says_so_after_a_bounded_wait(store: dist.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nothing_posted_says_so_after_a_bounded_wait(
+    store: dist.Store, monkeypatch: pytest.MonkeyPatch, clock: _Clock
+) -> None:
     monkeypatch.setattr(failures, "SETTLE_S", 0.2)
-    t0 = time.monotonic()
     message, culprit = culprit_message(FailureBoard(store, 0), "boom", ranks=(0, 1), culprit=None, timed_out=False)
     assert culprit is None and message == "boom; no rank posted a failure to the job's store"
-    assert time.monotonic() - t0 < 2.0
+    # It waited for a post (2 x SETTLE_S), polling, and then stopped: a bounded number of polls.
+    assert 0.4 <= clock.now <= 0.4 + failures._POLL_S + 1e-9, clock.now
+    assert clock.sleeps <= round(0.4 / failures._POLL_S) + 1, clock.sleeps
 
 
 def test_an_unreachable_store_adds_nothing_and_never_blocks() -> None:

@@ -45,6 +45,7 @@ MiB = 1 << 20
 
 def _serve(index: int, size: int, conn: Connection) -> None:
     torch.set_num_threads(1)  # up to 4 ranks share 2 cores
+    conn.send(("ok", "ready"))  # torch is imported: cases' timeouts no longer include the start-up
     while True:
         msg = conn.recv()
         if msg is None:
@@ -71,6 +72,9 @@ class Ranks:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
+        # Spawning imports torch, which takes a minute or more on a loaded 2-core machine: a bound on
+        # a hang, kept out of the cases' own timeouts.
+        self.collect(timeout=600)
 
     @property
     def alive(self) -> bool:
@@ -420,44 +424,46 @@ def test_collectives_match_torch(ranks: Callable[[int], Ranks], size: int) -> No
 # ---- multi-process: failures become errors, never hangs, never leaked segments -------------------
 
 
-def _case_missing_at_connect(index: int, size: int, key: str, missing: int) -> tuple[str, float] | None:
+def _case_missing_at_connect(index: int, size: int, key: str, missing: int, timeout_s: float) -> str | None:
     if index == missing:
         return None
-    t0 = time.monotonic()
     try:
-        shm.ShmComm(key, "g", index, size, timeout_s=2.0)
+        shm.ShmComm(key, "g", index, size, timeout_s=timeout_s)
     except shm.ShmTimeoutError as exc:
-        return str(exc), time.monotonic() - t0
-    return "connected", time.monotonic() - t0
+        return str(exc)
+    return "connected"
 
 
 @pytest.mark.parametrize(("size", "missing"), [(4, 3), (2, 0)])
 def test_peer_missing_at_connect_times_out(ranks: Callable[[int], Ranks], size: int, missing: int) -> None:
     key = _key()
     pool = ranks(size)
-    pool.start(_case_missing_at_connect, key, missing)
+    # With a segment to look at (missing != 0), the others wait 20 s: the window in which this process
+    # must see it, even when a loaded machine leaves it unscheduled for seconds (2 s was missed).
+    timeout_s = 2 if missing == 0 else 20
+    pool.start(_case_missing_at_connect, key, missing, timeout_s)
     modes = set()
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline and missing != 0:  # the segment exists while the others wait
+    # The segment exists while the others wait: look until it is seen. The deadline only bounds the
+    # loop if it never appears (then `modes` is empty and the test fails below).
+    deadline = time.monotonic() + 60
+    while missing != 0 and not modes and time.monotonic() < deadline:
         for name in _leftovers(key):
             with contextlib.suppress(FileNotFoundError):
                 modes.add(stat.S_IMODE((DEV_SHM / name).stat().st_mode))
         time.sleep(0.01)
-    results = pool.collect(timeout=20)
-    for index, result in enumerate(results):
+    results = pool.collect(timeout=60)
+    for index, message in enumerate(results):
         if index == missing:
             continue
-        assert result is not None
-        message, elapsed = result
-        assert f"rank {missing} (local index) did not arrive within 2 s" in message
-        assert 1.9 <= elapsed < 5.0, elapsed
+        # A timeout, naming the missing rank and the 2 s it was given (no clock read here).
+        expected = f"rank {missing} (local index) did not arrive within {timeout_s} s"
+        assert message is not None and expected in message, message
     assert modes <= {0o600} and (missing == 0 or modes == {0o600}), modes
     assert _leftovers(key) == []
 
 
-def _case_missing_in_collective(index: int, size: int, key: str) -> tuple[str, float]:
+def _case_missing_in_collective(index: int, size: int, key: str) -> str:
     comm = shm.ShmComm(key, "g", index, size, timeout_s=2.0)
-    t0 = time.monotonic()
     try:
         if index == size - 1:
             time.sleep(3.0)  # never joins the all_reduce below, and stays alive (not closed)
@@ -465,24 +471,25 @@ def _case_missing_in_collective(index: int, size: int, key: str) -> tuple[str, f
         else:
             comm.all_reduce(torch.ones(10_000), "sum")
     except shm.ShmTimeoutError as exc:
-        return str(exc), time.monotonic() - t0
+        return str(exc)
     finally:
         comm.close()
-    return "finished", time.monotonic() - t0
+    return "finished"
 
 
 def test_peer_missing_in_collective_times_out(ranks: Callable[[int], Ranks]) -> None:
     key = _key()
-    results = ranks(2).run(_case_missing_in_collective, key, timeout=20)
-    (message, elapsed), (late_message, late_elapsed) = results
+    message, late_message = ranks(2).run(_case_missing_in_collective, key, timeout=60)
+    # Rank 0 timed out (2 s) before rank 1 came (3 s): had it still waited, rank 1's barrier would
+    # have met its all_reduce ("called a different collective"). Rank 1 then failed at once on the
+    # abort rank 0 left, not on a timeout of its own: its error is the one rank 0 reported.
     assert "shm all_reduce: rank 1 (local index) did not arrive within 2 s" in message
-    assert 1.9 <= elapsed < 3.0, elapsed
     assert "shm barrier: rank 1 (local index) did not arrive" in late_message and "reported by rank 0" in late_message
-    assert late_elapsed < 4.5, late_elapsed  # slept 3 s, then failed at once
 
 
 def _case_mismatched_sizes(index: int, size: int, key: str) -> str:
-    with shm.ShmComm(key, "g", index, size, timeout_s=10.0) as comm:
+    # A timeout far past the test's bound on the run: waiting for it would fail as a hang.
+    with shm.ShmComm(key, "g", index, size, timeout_s=600.0) as comm:
         x = torch.zeros(10 + index)
         try:
             comm.all_gather(torch.empty(size * x.numel()), x)
@@ -492,13 +499,11 @@ def _case_mismatched_sizes(index: int, size: int, key: str) -> str:
 
 
 def test_mismatched_collectives_fail_on_every_rank(ranks: Callable[[int], Ranks]) -> None:
-    t0 = time.monotonic()
-    messages = ranks(2).run(_case_mismatched_sizes, _key(), timeout=20)
+    messages = ranks(2).run(_case_mismatched_sizes, _key(), timeout=60)
     assert all("called a different collective" in m for m in messages), messages
-    assert time.monotonic() - t0 < 5.0
 
 
-def _case_loop_until_error(index: int, size: int, key: str, ready_dir: str) -> tuple[str, str, float]:
+def _case_loop_until_error(index: int, size: int, key: str, ready_dir: str) -> tuple[str, str]:
     comm = shm.ShmComm(key, "g", index, size, timeout_s=30.0)
     t = torch.randn(300_000)
     for _ in range(5):
@@ -508,7 +513,7 @@ def _case_loop_until_error(index: int, size: int, key: str, ready_dir: str) -> t
         while True:
             comm.all_reduce(t, "avg")
     except shm.ShmError as exc:
-        return type(exc).__name__, str(exc), time.monotonic()
+        return type(exc).__name__, str(exc)
     finally:
         comm.close()
 
@@ -518,18 +523,18 @@ def test_sigkilled_rank_errors_survivors_and_leaks_nothing(ranks: Callable[[int]
     pool = ranks(4)
     with tempfile.TemporaryDirectory() as ready_dir:
         pool.start(_case_loop_until_error, key, ready_dir)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # a bound on a hang, not a budget
         while len(list(Path(ready_dir).iterdir())) < pool.size:
             assert time.monotonic() < deadline, "ranks never got going"
             time.sleep(0.01)
-        killed_at = time.monotonic()
         os.kill(pool.procs[victim].pid, signal.SIGKILL)  # not reaped until later: a zombie, as in real jobs
         survivors = [i for i in range(pool.size) if i != victim]
-        results = pool.collect(timeout=10, indices=survivors)
+        results = pool.collect(timeout=60, indices=survivors)
     pool.close()
-    for kind, message, failed_at in results:
+    # ShmPeerError ("died") comes from the liveness check; waiting out the 30 s timeout would have
+    # raised ShmTimeoutError instead: the kind tells them apart, no clock needed.
+    for kind, message in results:
         assert kind == "ShmPeerError" and f"rank {victim} (local index" in message and "died" in message, message
-        assert failed_at - killed_at < 2.0, failed_at - killed_at  # liveness check, not the 30 s timeout
     assert _leftovers(key) == []
 
 
@@ -582,13 +587,12 @@ def test_a_name_taken_by_another_user_is_refused_and_left_alone(index: int, mode
     assert _in_child_as(nobody.pw_uid, nobody.pw_gid, lambda: _forge_segment(path, mode)) == 0
     try:
         before = path.read_bytes()
-        t0 = time.monotonic()
+        # refused at once, not after the timeout: that would raise ShmTimeoutError, not this
         with pytest.raises(shm.ShmForeignSegmentError) as caught:
             shm.ShmComm(key, "g", index, 2, timeout_s=5.0, chunk_bytes=CHUNK)
         message = str(caught.value)
         assert f"/dev/shm/{path.name}" in message and "owned by uid 65534 (nobody)" in message, message
         assert f"mode {mode:04o}" in message and "this job runs as uid 0 (root)" in message, message
-        assert time.monotonic() - t0 < 2.0  # refused at once, not after the timeout
         assert path.exists() and path.read_bytes() == before  # never attached, never unlinked
         assert path.stat().st_uid == nobody.pw_uid
     finally:
