@@ -254,11 +254,19 @@ class ModelHooks:
     # ---- backward -----------------------------------------------------------------------------
 
     def _register_pre_backward(self, unit: Unit, output: Any) -> None:
+        # Weakly, as the post-accumulate-grad hooks ([Note: hook cycles]): the hook lives on the output's
+        # autograd node (C++), and a graph tensor kept anywhere in the model would close an uncollectable
+        # cycle through it.
+        hooks_ref, unit_ref = weakref.ref(self), weakref.ref(unit)
+
         def on_grad(grad: torch.Tensor) -> None:
-            self._queue_finalize()
+            hooks, unit = hooks_ref(), unit_ref()
+            if hooks is None or unit is None:
+                return
+            hooks._queue_finalize()
             if not unit.reduced:
-                self.scheduler.require(unit, HoldKind.BACKWARD)
-                self.user_params.enter_backward(unit)
+                hooks.scheduler.require(unit, HoldKind.BACKWARD)
+                hooks.user_params.enter_backward(unit)
 
         for t in _tensors(output):
             if t.requires_grad:
@@ -322,6 +330,12 @@ class ModelHooks:
         self._on_backward_end(boundary)
 
 
+def _close_weakly(hooks: weakref.ref[ModelHooks], unit: weakref.ref[Unit], token: int) -> None:
+    h, u = hooks(), unit()
+    if h is not None and u is not None:
+        h._call_closed(u, token)
+
+
 class _CallBackwardDone(torch.autograd.Function):
     """Identity on a forward call's tensor inputs; its backward runs once the gradients of all of them
     are computed -- the call's whole backward has run -- and before they flow on to whoever produced
@@ -330,7 +344,10 @@ class _CallBackwardDone(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hooks: ModelHooks, unit: Unit, token: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.close = functools.partial(hooks._call_closed, unit, token)
+        # Weakly: the node is a C++ object, invisible to gc; a strong reference from it to the hooks (and
+        # through them the model, its units and their process groups) would keep the model alive for as
+        # long as any tensor of its graph is ([Note: hook cycles]).
+        ctx.close = functools.partial(_close_weakly, weakref.ref(hooks), weakref.ref(unit), token)
         ctx.node_alive = _NodeAlive()  # owned by the node alone: finalized when the node goes
         weakref.finalize(ctx.node_alive, ctx.close)
         return inputs

@@ -143,7 +143,9 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             ),
             tp_splits=tp_splits,
             tp_rank=topology.coords.tp_rank,
-            loss_scale=lambda: self.window.loss_scale,
+            # not `self`: the gradients' layouts reach this through the watch, and a `.grad` is held by
+            # C++, out of gc's sight -- capturing the model would keep it alive for ever ([Note: hook cycles])
+            loss_scale=lambda window=self.window: window.loss_scale,
         )
         self._hooks = ModelHooks(
             module,
