@@ -132,6 +132,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             id(p): u for u in self.units for p in [*u.params, *(u.frozen.params if u.frozen else [])]
         }
         self._link_dependencies(plans, registered or {})
+        window = self.window
         self.user_params = UserParams(
             module,
             self.sharded_state,
@@ -145,7 +146,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             tp_rank=topology.coords.tp_rank,
             # not `self`: the gradients' layouts reach this through the watch, and a `.grad` is held by
             # C++, out of gc's sight -- capturing the model would keep it alive for ever ([Note: hook cycles])
-            loss_scale=lambda window=self.window: window.loss_scale,
+            loss_scale=lambda: window.loss_scale,
         )
         self._hooks = ModelHooks(
             module,
