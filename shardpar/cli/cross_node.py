@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardpar.collectives.quantize import QBLOCK, padded
 from shardpar.topology import Plan
+
+if TYPE_CHECKING:  # only for its type: the estimate's arithmetic needs no model
+    from shardpar.runtime.model import DistributedModel
 
 
 @dataclass(frozen=True)
@@ -136,13 +139,13 @@ def traffic(
     return Traffic(gather, reduce, replica, persistent)
 
 
-def model_traffic(model: object, accum: int) -> Traffic:
+def model_traffic(model: DistributedModel, accum: int) -> Traffic:
     """`traffic` for a built DistributedModel (its units, topology and knobs)."""
-    units = model.units  # type: ignore[attr-defined]
-    cfg = model.shardpar_config  # type: ignore[attr-defined]
-    root = [u.layout.padded_numel for u in units if u.module is model.module]  # type: ignore[attr-defined]
-    rest = [u.layout.padded_numel for u in units if u.module is not model.module]  # type: ignore[attr-defined]
-    policy = model.policy  # type: ignore[attr-defined]
+    units = model.units
+    cfg = model.shardpar_config
+    root = [u.layout.padded_numel for u in units if u.module is model.module]
+    rest = [u.layout.padded_numel for u in units if u.module is not model.module]
+    policy = model.policy
     knobs = Knobs(
         accum=accum,
         compute_bytes=policy.compute.itemsize,
@@ -154,9 +157,9 @@ def model_traffic(model: object, accum: int) -> Traffic:
         quantize_weights=cfg.sdp_quantize_cross_node_weights,
         quantize_gradients=cfg.sdp_quantize_cross_node_gradients,
     )
-    buckets = [plan.width for plan in model.reducer.plans]  # type: ignore[attr-defined]
-    persistent = sum(p.numel() for _, p in model.persistent.named)  # type: ignore[attr-defined]
-    layout = model.topology.plan  # type: ignore[attr-defined]
+    buckets = [plan.width for plan in model.reducer.plans]
+    persistent = sum(p.numel() for _, p in model.persistent.named)
+    layout = model.topology.plan
     return traffic(layout, rest, knobs, root_numel=sum(root), persistent_numel=persistent, buckets=buckets)
 
 

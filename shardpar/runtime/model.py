@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardpar.collectives import Engine
+from shardpar.collectives import Engine, Group
 from shardpar.config import Config
 from shardpar.precision import DtypePolicy
 from shardpar.runtime.boundary_cast import call_in_compute_dtype
@@ -190,12 +190,16 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             up.params = [(n, p) for n, p in up.params if p.numel() >= threshold]
         return persistent, unit_of
 
+    def _hierarchical(self, knob: bool, node: Group, cross: Group) -> bool:
+        """Whether a collective over the sharding group runs in a node hop and a cross hop: its knob is on
+        and the group has members on several nodes, more than one on each (with one a node, the flat
+        collective is the cross hop already)."""
+        return knob and self.topology.plan.spans_nodes and node.size > 1 and cross.size > 1
+
     def _two_hop_reduce(self, config: Config) -> TwoHopReduce | None:
         """The two-hop ReduceScatter when the sharding group spans nodes ([Note: two-hop ReduceScatter])."""
         node, cross = self.topology.groups["sharding_node_reduce"], self.topology.groups["sharding_cross"]
-        if not (config.sdp_hierarchical_reduce_scatter and self.topology.plan.spans_nodes and cross.size > 1):
-            return None
-        if node.size == 1:  # one member a node: the flat ReduceScatter is the cross hop already
+        if not self._hierarchical(config.sdp_hierarchical_reduce_scatter, node, cross):
             return None
         return TwoHopReduce(
             self.engine,
@@ -209,12 +213,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
 
     def _build_units(self, plans: list[UnitPlan], values: InitialValues) -> list[Unit]:
         node, cross = self.topology.groups["sharding_node"], self.topology.groups["sharding_cross"]
-        hierarchical = (
-            self.shardpar_config.sdp_hierarchical_allgather
-            and self.topology.plan.spans_nodes
-            and node.size > 1
-            and cross.size > 1
-        )
+        hierarchical = self._hierarchical(self.shardpar_config.sdp_hierarchical_allgather, node, cross)
         comm = UnitComm(
             engine=self.engine,
             sharding=self.topology.sharding,

@@ -255,39 +255,30 @@ def _num_frozen(holder: Unit | PersistentParams) -> int:
 
 
 def _unit_pieces(unit: Unit) -> list[Piece]:
-    slices = unit.slices if unit.replica is None else unit.replica.slices
-    frozen = [] if unit.frozen is None else unit.frozen.slices
-    base = unit.layout.padded_numel  # where the frozen values start in gather_unit's flat values
-    return [
-        Piece(
-            sl.spec.fqn,
-            p,
-            sl.spec.shape,
-            True,
-            sl.param_start,
-            sl.length,
-            unit.index,
-            j,
-            sl.spec.offset,
-            sl.local,
-        )
-        for j, (p, sl) in enumerate(zip(unit.params, slices, strict=True))
-    ] + [
-        Piece(
-            sl.spec.fqn,
-            p,
-            sl.spec.shape,
-            True,
-            sl.param_start,
-            sl.length,
-            unit.index,
-            len(unit.params) + j,
-            base + sl.spec.offset,
-            sl.local,
-            frozen=True,
-        )
-        for j, (p, sl) in enumerate(zip(unit.frozen.params if unit.frozen else [], frozen, strict=True))
-    ]
+    """The unit's trainable pieces, then its frozen ones, whose values start after the trainable ones in
+    gather_unit's flat values ([Note: frozen shards])."""
+    kinds = [(unit.params, unit.slices if unit.replica is None else unit.replica.slices, 0, False)]
+    if unit.frozen is not None:
+        kinds.append((unit.frozen.params, unit.frozen.slices, unit.layout.padded_numel, True))
+    pieces: list[Piece] = []
+    for params, slices, base, frozen in kinds:
+        for p, sl in zip(params, slices, strict=True):
+            pieces.append(
+                Piece(
+                    sl.spec.fqn,
+                    p,
+                    sl.spec.shape,
+                    True,
+                    sl.param_start,
+                    sl.length,
+                    unit.index,
+                    len(pieces),
+                    base + sl.spec.offset,
+                    sl.local,
+                    frozen=frozen,
+                )
+            )
+    return pieces
 
 
 def _persistent_pieces(persistent: PersistentParams) -> list[Piece]:
