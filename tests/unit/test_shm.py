@@ -437,28 +437,43 @@ def _case_missing_at_connect(index: int, size: int, key: str, missing: int, time
 @pytest.mark.parametrize(("size", "missing"), [(4, 3), (2, 0)])
 def test_peer_missing_at_connect_times_out(ranks: Callable[[int], Ranks], size: int, missing: int) -> None:
     key = _key()
-    pool = ranks(size)
-    # With a segment to look at (missing != 0), the others wait 20 s: the window in which this process
-    # must see it, even when a loaded machine leaves it unscheduled for seconds (2 s was missed).
-    timeout_s = 2 if missing == 0 else 20
-    pool.start(_case_missing_at_connect, key, missing, timeout_s)
-    modes = set()
-    # The segment exists while the others wait: look until it is seen. The deadline only bounds the
-    # loop if it never appears (then `modes` is empty and the test fails below).
-    deadline = time.monotonic() + 60
-    while missing != 0 and not modes and time.monotonic() < deadline:
-        for name in _leftovers(key):
-            with contextlib.suppress(FileNotFoundError):
-                modes.add(stat.S_IMODE((DEV_SHM / name).stat().st_mode))
-        time.sleep(0.01)
-    results = pool.collect(timeout=60)
+    # 2 s: nothing here needs to watch the wait (the segment's mode while peers wait is
+    # test_segment_is_private_while_peers_wait_for_a_late_rank's, which needs no clock).
+    timeout_s = 2
+    results = ranks(size).run(_case_missing_at_connect, key, missing, timeout_s, timeout=60)
     for index, message in enumerate(results):
         if index == missing:
             continue
         # A timeout, naming the missing rank and the 2 s it was given (no clock read here).
         expected = f"rank {missing} (local index) did not arrive within {timeout_s} s"
         assert message is not None and expected in message, message
-    assert modes <= {0o600} and (missing == 0 or modes == {0o600}), modes
+    assert _leftovers(key) == []
+
+
+def _case_late_at_connect(index: int, size: int, key: str, late: int) -> str | int:
+    """Rank `late` arrives only once it has seen the segment the others wait in, and reports its mode."""
+    mode = None
+    if index == late:
+        # The others wait up to 60 s for this rank, so the segment is there to be seen; the deadline
+        # only bounds the loop if it never appears (then the test fails on the mode).
+        deadline = time.monotonic() + 60
+        while mode is None and time.monotonic() < deadline:
+            for name in _leftovers(key):
+                with contextlib.suppress(FileNotFoundError):
+                    mode = stat.S_IMODE((DEV_SHM / name).stat().st_mode)
+            time.sleep(0.01)
+    with shm.ShmComm(key, "g", index, size, timeout_s=60):
+        pass
+    return "connected" if mode is None else mode
+
+
+def test_segment_is_private_while_peers_wait_for_a_late_rank(ranks: Callable[[int], Ranks]) -> None:
+    """While ranks 0-2 wait for rank 3, their segment exists with mode 0600 (owner only); once rank 3
+    arrives everyone connects, and closing leaves nothing in /dev/shm."""
+    key = _key()
+    results = ranks(4).run(_case_late_at_connect, key, 3, timeout=120)
+    assert results[:3] == ["connected"] * 3, results
+    assert results[3] == 0o600, f"segment mode {results[3]!r} (None: never seen), want 0o600"
     assert _leftovers(key) == []
 
 
