@@ -121,7 +121,7 @@ def setup_fsdp2(case: Case) -> tuple[Step, Callable[[], None]]:
 
     teardown = _init_gloo(case)
     replicas = case.world // case.sdp
-    if replicas > 1:  # HSDP: shard inside a group of sdp ranks, replicate across groups (DESIGN.md 8)
+    if replicas > 1:  # HSDP: shard inside a group of sdp ranks, replicate across groups (docs/design.md section 22)
         mesh = init_device_mesh("cpu", (replicas, case.sdp), mesh_dim_names=("rep", "shard"))
     else:
         mesh = init_device_mesh("cpu", (case.sdp,), mesh_dim_names=("shard",))

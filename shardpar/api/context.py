@@ -1,7 +1,7 @@
 """The `smp` facade: `init()`, rank queries and object collectives (model, optimizer, step and
 checkpoint functions are in training.py).
 
-This is the ONE module with process-wide state (STYLE.md): `init()` fills `_STATE`; every core class
+This is the ONE module with process-wide state (docs/design.md section 23): `init()` fills `_STATE`; every core class
 receives its topology, engine and config explicitly.
 """
 

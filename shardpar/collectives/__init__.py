@@ -1,4 +1,4 @@
-"""Pluggable collective engines (DESIGN.md section 1): native torch.distributed, smddp."""
+"""Pluggable collective engines (docs/design.md section 9): native torch.distributed, smddp."""
 
 from __future__ import annotations
 

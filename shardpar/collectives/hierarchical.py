@@ -6,7 +6,7 @@ Order: across nodes first, then inside each node. Each rank first exchanges its 
 peers at the same position on the other nodes (the only cross-node traffic: its own shard, once per
 peer), then the node gathers those blocks locally. Gathering inside the node first would push every
 node's whole block across the network from every local rank -- L times the cross-node bytes
-(COLLECTIVES-GROUND.md measured 1.3-3.6x faster for this order).
+(docs/design.md section 10: measured 1.3-3.6x faster for this order).
 
     sharding group (0,4,8,12), 2 ranks a node -> node groups (0,4) (8,12), cross groups (0,8) (4,12)
     step 1 (cross):  rank 0 gets [s0 s2]      rank 4 gets [s1 s3]          -> blocks  (unit / L)

@@ -1,6 +1,6 @@
 """NativeEngine: collectives over torch.distributed (NCCL on CUDA, gloo on CPU).
 
-Raw torch.distributed calls live here and in topology.py only (DESIGN.md section 5).
+Raw torch.distributed collective calls live here and in topology.py (docs/design.md section 9).
 """
 
 from __future__ import annotations

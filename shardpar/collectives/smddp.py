@@ -1,6 +1,6 @@
 """SmddpEngine: topology-aware collectives over the shared-memory transport, native for the rest.
 
-Routing, decided per call (DESIGN.md section 1, reference 003 for the two buffer knobs):
+Routing, decided per call (docs/design.md section 9, reference 003 for the two buffer knobs):
 
     group on one node, CPU tensors, shm dtype   -> ShmComm of that group (shardpar/collectives/shm.py)
     all_gather over a group spanning nodes      -> hierarchical (collectives/hierarchical.py): native

@@ -105,7 +105,7 @@ def _shape(numel: int) -> tuple[int, ...]:
 @given(st.integers(1, 40))
 def test_a_parameter_with_exactly_threshold_elements_is_sharded(threshold: int) -> None:
     """numel >= sdp_param_persistence_threshold: sharded (in a unit); numel < threshold: persistent
-    (DESIGN.md glossary). Through smp.DistributedModel in a world of one, in this process."""
+    (docs/design.md, glossary). Through smp.DistributedModel in a world of one, in this process."""
     smp.init({"sdp_param_persistence_threshold": threshold, "ddp_dist_backend": "nccl"})
     try:
         module = nn.Module()
