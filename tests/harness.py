@@ -192,6 +192,11 @@ class RankPool:
         failed = [(r, kind, value) for r, (kind, value) in enumerate(replies) if kind != "ok"]
         if not failed:
             return
+        # A hung rank never reads the stop that close() sends (its stack is already in the message):
+        # kill it now instead of after close()'s 5 s grace.
+        for r, kind, _ in failed:
+            if kind == "hung" and self._procs[r].is_alive():
+                self._procs[r].kill()
         self.close()
         parts = [f"--- rank {r} ({kind}) ---\n{value}" for r, kind, value in failed]
         raise RankFailure(f"{what}: {len(failed)} of {self.world} ranks failed\n" + "\n".join(parts))
