@@ -1,8 +1,8 @@
 """Parity cases (run on every rank by the pool): shardpar training vs a single-process reference.
 
 The reference trains the same model (same seed) on the whole global batch with plain PyTorch:
-loss.backward(), clip_grad_norm_, optimizer.step(). Each rank of the distributed run takes its
-rdp slice of every micro-batch of that global batch.
+loss.backward(), clip_grad_norm_, optimizer.step(); rank 0 runs it and every rank compares with it.
+Each rank of the distributed run takes its rdp slice of every micro-batch of that global batch.
 """
 
 from __future__ import annotations
@@ -51,10 +51,42 @@ def _param_groups(model: nn.Module) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _reference(
+    model_name: str, *, steps: int, accum: int, global_batch: int, clip: float
+) -> tuple[list[float], bool, dict[str, torch.Tensor]]:
+    """The single-process run on the whole global batch: its loss per step, whether clipping bit, and
+    its final state."""
+    build, make_batch = BUILDERS[model_name]
+    ref = build()
+    ref_opt = torch.optim.AdamW(_param_groups(ref), **ADAM)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
+    losses, clipped = [], False
+    for step in range(steps):
+        ref_total = 0.0
+        for micro in range(accum):
+            ref_loss = _loss(ref, make_batch(1000 * step + micro, global_batch))
+            (ref_loss / accum).backward()
+            ref_total += ref_loss.item() / accum
+        if clip > 0:  # sdp_gradient_clipping=0 disables clipping
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            clipped |= bool(norm > clip)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        losses.append(ref_total)
+    return losses, clipped, {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+
 def run_parity(
     model_name: str, knobs: dict[str, Any], *, steps: int = 3, accum: int = 1, per_rank: int = 2, clip: float = 0.05
 ) -> dict[str, Any]:
-    """Train both ways; return the max abs differences (losses, params) and whether clipping bit."""
+    """Train both ways; return the max abs differences (losses, params) and whether clipping bit.
+
+    The reference is deterministic (same seed, same batches, one thread), so rank 0 trains it once and
+    broadcasts its losses and final state: every rank still compares its own run with it, without
+    world-size copies of a full-batch run competing for the 2 cores."""
+    import torch.distributed as dist
+
     build, make_batch = BUILDERS[model_name]
     smp.init({**knobs, "sdp_gradient_clipping": clip})
     try:
@@ -62,15 +94,11 @@ def run_parity(
         model = smp.DistributedModel(build(), backward_passes_per_step=accum)
         opt = smp.DistributedOptimizer(torch.optim.AdamW(_param_groups(model), **ADAM))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-        ref = build()
-        ref_opt = torch.optim.AdamW(_param_groups(ref), **ADAM)
-        ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
-        loss_diff, clipped = 0.0, False
+        dist_losses = []
         for step in range(steps):
-            mine, full = [], []
+            mine = []
             for micro in range(accum):
                 batch = make_batch(1000 * step + micro, per_rank * rdp_size)
-                full.append(batch)
                 local = {k: v[rdp_rank * per_rank : (rdp_rank + 1) * per_rank] for k, v in batch.items()}
                 loss = _loss(model, local)
                 model.backward(loss / accum)
@@ -78,23 +106,16 @@ def run_parity(
             opt.step()
             opt.zero_grad()
             sched.step()
-            dist_loss = sum(sum(x) for x in smp.allgather(mine, smp.CommGroup.RDP_GROUP)) / (accum * rdp_size)
-            ref_total = 0.0
-            for batch in full:
-                ref_loss = _loss(ref, batch)
-                (ref_loss / accum).backward()
-                ref_total += ref_loss.item() / accum
-            if clip > 0:  # sdp_gradient_clipping=0 disables clipping
-                norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-                clipped |= bool(norm > clip)
-            ref_opt.step()
-            ref_opt.zero_grad()
-            ref_sched.step()
-            loss_diff = max(loss_diff, abs(dist_loss - ref_total))
-        param_diff = models.max_param_diff(model, ref)
+            dist_losses.append(sum(sum(x) for x in smp.allgather(mine, smp.CommGroup.RDP_GROUP)) / (accum * rdp_size))
+        shared: list[Any] = [None]
+        if smp.rank() == 0:
+            shared[0] = _reference(model_name, steps=steps, accum=accum, global_batch=per_rank * rdp_size, clip=clip)
+        dist.broadcast_object_list(shared, src=0)
+        ref_losses, clipped, ref_state = shared[0]
+        ours = model.state_dict()
         return {
-            "loss": loss_diff,
-            "param": param_diff,
+            "loss": max(abs(a - b) for a, b in zip(dist_losses, ref_losses, strict=True)),
+            "param": max((ours[k] - v).abs().max().item() for k, v in ref_state.items()),
             "clipped": float(clipped),
             "sharded_units": float(len(model.units)),
             "unit_names": [u.name for u in model.units],
