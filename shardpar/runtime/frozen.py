@@ -80,6 +80,7 @@ class FrozenShard:
         self._packed_rows: torch.Tensor | None = None  # what the running gather brings (or the own shard)
         self._qgathered: torch.Tensor | None = None  # sdp > 1: the gathered quantized bytes' buffer
         self._kept = False  # keep_gathered: `_gathered` holds this step's gathered values
+        self.counted_live = False  # in the live count (the unit's _count_live)
 
     @property
     def keeps_gathered(self) -> bool:
@@ -205,6 +206,11 @@ class FrozenShard:
         self._kept = False
         if self._full is None and self._gathered is not None:
             self._gathered.untyped_storage().resize_(0)
+
+    @property
+    def holds_memory(self) -> bool:
+        """Whether the gathered values are alive: in use, or kept for the step."""
+        return self._full is not None or self._kept
 
     @property
     def kept_bytes(self) -> int:

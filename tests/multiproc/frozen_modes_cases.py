@@ -79,6 +79,11 @@ def bytes_case(mode: str, micro: int = 2, cap: int | None = None) -> dict[str, A
             for u in model.units
             if u.frozen is not None and u.frozen._gathered is not None
         )
+        live_after_step, live_peak = model.live.live, model.live.peak
+        # the exact base stays the truth for state dicts and checkpoints, whatever is gathered
+        fresh = {k: v for k, v in neox_lora().state_dict().items() if "lora_" not in k}
+        saved = model.state_dict()
+        base_diff = max((saved[k].float() - v.float()).abs().max().item() for k, v in fresh.items())
         modes = sorted({u.frozen.mode for u in model.units if u.frozen is not None})
     finally:
         smp.shutdown()
@@ -90,17 +95,22 @@ def bytes_case(mode: str, micro: int = 2, cap: int | None = None) -> dict[str, A
         "trainable_gathered": trainable_gathered,
         "kept_after_step": kept_after_step,
         "modes": modes,
+        "live_after_step": live_after_step,
+        "live_peak": live_peak,
+        "base_diff": base_diff,
         "log": capture.lines,
     }
 
 
 def finetune_case(modes: list[str], steps: int = 30, lr: float = 2e-3) -> dict[str, list[float]]:
     """PEFT LoRA r 8 on the attention and MLP linears, world 2 x sdp 2, AdamW, `steps` steps on a fixed
-    set of 8 sequences (2 a rank a step, cycling): the global mean loss of each step under each mode."""
+    set of 8 sequences (2 a rank a step, cycling): the global mean loss of each step under each mode;
+    "int8@1" is int8 at sdp 1 (2 replicas)."""
     out: dict[str, list[float]] = {}
     data = torch.randint(0, 96, (8, 24), generator=torch.Generator().manual_seed(7))
-    for mode in modes:
-        smp.init({**KNOBS, "sdp_frozen_base_mode": mode})
+    for name in modes:
+        mode, _, sdp = name.partition("@")
+        smp.init({**KNOBS, "sdp_frozen_base_mode": mode, "sharded_data_parallel_degree": int(sdp or 2)})
         model = smp.DistributedModel(neox_lora())
         opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=lr))
         losses = []
@@ -113,5 +123,5 @@ def finetune_case(modes: list[str], steps: int = 30, lr: float = 2e-3) -> dict[s
             opt.zero_grad()
             losses.append(sum(smp.allgather(loss.item(), smp.CommGroup.RDP_GROUP)) / 2)
         smp.shutdown()
-        out[mode] = losses
+        out[name] = losses
     return out
