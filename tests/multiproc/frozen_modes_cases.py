@@ -37,14 +37,16 @@ class _Capture(logging.Handler):
             self.lines.append(record.getMessage())
 
 
-def bytes_case(mode: str, micro: int = 2, cap: int | None = None) -> dict[str, Any]:
+def bytes_case(mode: str, micro: int = 2, cap: int | None = None, threshold: int = 1000) -> dict[str, Any]:
     """One warm-up step, then one step of `micro` micro-batches: every AllGather over the sharding group
     of the measured step ((dtype, bytes), in order), the losses, the log lines, and for each unit with
-    a frozen shard what one gather of it moves under each mode."""
+    a frozen shard what one gather of it moves under each mode. `threshold` 100 shards the adapters too:
+    units of trainable and frozen parameters."""
     log, capture = logging.getLogger("shardpar"), _Capture()
     log.addHandler(capture)
     log.setLevel(logging.INFO)
-    knobs = {**KNOBS, "sdp_frozen_base_mode": mode} | ({} if cap is None else {"sdp_max_live_parameters": cap})
+    knobs = {**KNOBS, "sdp_frozen_base_mode": mode, "sdp_param_persistence_threshold": threshold}
+    knobs |= {} if cap is None else {"sdp_max_live_parameters": cap}
     try:
         smp.init(knobs)
         model = smp.DistributedModel(neox_lora(), backward_passes_per_step=micro)

@@ -57,6 +57,16 @@ def test_frozen_gathers_move_quantized_bytes_and_keep_gathered_gathers_once_a_st
     assert keep["live_peak"] >= sum(u["numel"] for u in units.values())
     assert keep["live_after_step"] == base["live_after_step"] == 0
 
+    # units holding adapters (trained, gathered per use) and base weights (kept): only the frozen part stays
+    mixed = {m: ranks.run(2, cases.bytes_case, m, threshold=100)[0] for m in ("gather", "keep_gathered")}
+    assert mixed["gather"]["trainable_gathered"] > 0 and mixed["keep_gathered"]["modes"] == ["keep_gathered"]
+    assert mixed["keep_gathered"]["losses"] == mixed["gather"]["losses"]
+    frozen_sizes = {u["bf16"] for u in mixed["gather"]["per_unit"].values()}
+    trained = {m: [g for g in r["gathers"] if g[1] not in frozen_sizes] for m, r in mixed.items()}
+    assert trained["keep_gathered"] == trained["gather"] and len(trained["gather"]) > len(units), trained
+    kept = [g for g in mixed["keep_gathered"]["gathers"] if g[1] in frozen_sizes]
+    assert sorted(kept) == sorted(("torch.bfloat16", u["bf16"]) for u in mixed["gather"]["per_unit"].values())
+
     # does not fit: every rank gathers per use, rank 0 says why
     cap = max(u["numel"] for u in units.values()) + 100
     fallback = ranks.run(2, cases.bytes_case, "keep_gathered", cap=cap)
