@@ -31,9 +31,15 @@ class _Capture(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.lines: list[str] = []
+        self.summary = ""
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("shardpar is active"):
+            self.summary = record.getMessage()  # the wrap summary (api/summary.py)
+        return super().handle(record)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "sdp_frozen_base_mode" in record.getMessage():
+        if "sdp_frozen_base_mode" in record.getMessage() or "nothing is sharded" in record.getMessage():
             self.lines.append(record.getMessage())
 
 
@@ -101,6 +107,7 @@ def bytes_case(mode: str, micro: int = 2, cap: int | None = None, threshold: int
         "live_peak": live_peak,
         "base_diff": base_diff,
         "log": capture.lines,
+        "summary": capture.summary,
     }
 
 

@@ -39,6 +39,10 @@ def test_frozen_gathers_move_quantized_bytes_and_keep_gathered_gathers_once_a_st
     assert runs["int8"]["gathers"] == int8 and runs["nf4"]["gathers"] == nf4
     total = sum(b for _, b in base["gathers"])
     assert sum(b for _, b in int8) <= 0.54 * total and sum(b for _, b in nf4) <= 0.29 * total
+    # the wrap summary counts the sharded base (it warned "nothing is sharded" for LoRA before)
+    frozen_numel = sum(u["numel"] for u in units.values())  # no padding: every unit splits evenly
+    assert f"({frozen_numel:,} elements) sharded over sdp 2" in base["summary"], base["summary"]
+    assert base["log"] == [], base["log"]
     assert all(r["base_diff"] == 0.0 for r in runs.values())  # state_dict(): the exact base in every mode
     for mode in ("int8", "nf4"):
         (line,) = runs[mode]["log"]
