@@ -17,12 +17,12 @@ KNOBS = {"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 1
 TARGETS = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 
 
-def neox_lora(rank: int = 8) -> nn.Module:
+def neox_lora(rank: int = 8, base_seed: int = 0) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     from tests import models
 
-    module = models.tiny_neox().to(torch.bfloat16)
+    module = models.tiny_neox(base_seed).to(torch.bfloat16)
     torch.manual_seed(1)  # lora_A's draws
     return get_peft_model(module, LoraConfig(r=rank, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0))
 
@@ -133,4 +133,40 @@ def finetune_case(modes: list[str], steps: int = 30, lr: float = 2e-3) -> dict[s
             losses.append(sum(smp.allgather(loss.item(), smp.CommGroup.RDP_GROUP)) / 2)
         smp.shutdown()
         out[name] = losses
+    return out
+
+
+def resume_case(root: str, mode: str) -> dict[str, float]:
+    """Under `mode`, a trained model's loss on a fixed batch; then the same after its partial checkpoint,
+    or its full state dict, is loaded into a model built from another base: the loaded base must be what
+    is gathered (int8 / nf4: its codes made again from the loaded shard, not the old base's)."""
+    ids = torch.arange(32).view(2, 16) % 96
+    knobs = {**KNOBS, "sdp_frozen_base_mode": mode}
+
+    def probe(model: Any) -> float:
+        with torch.no_grad():
+            return float(model(input_ids=ids, labels=ids).loss.item())
+
+    smp.init(knobs)
+    model = smp.DistributedModel(neox_lora())
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    opt.zero_grad()
+    trained = probe(model)
+    smp.save_checkpoint(root, tag="t", model=model, optimizer=opt)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    smp.shutdown()
+    out = {"trained": trained}
+    for how in ("checkpoint", "state_dict"):
+        smp.init(knobs)
+        model = smp.DistributedModel(neox_lora(base_seed=5))
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        out[f"other_base_{how}"] = probe(model)
+        if how == "checkpoint":
+            smp.resume_from_checkpoint(root, tag="t")
+        else:
+            model.load_state_dict(state)
+        out[how] = probe(model)
+        smp.shutdown()
     return out
