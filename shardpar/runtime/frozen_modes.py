@@ -12,8 +12,9 @@ frozen base in the compute dtype for the whole step -- what sharding saves. It i
 
 every rank must agree -- a rank that kept while another gathered would call a different number of
 AllGathers and hang -- so the second rule is one AllReduce over the world. Otherwise the run falls
-back to "gather", with a rank-0 warning naming the bytes and the rule. The kept memory is not in the
-live count (runtime/schedule.py) between uses: the first rule reserved it.
+back to "gather", with a rank-0 warning naming the bytes and the rule. The kept memory stays in the
+live count from a unit's first gather of a step to the step boundary (Unit._count_live), so prefetch
+under the cap sees it.
 """
 
 from __future__ import annotations
