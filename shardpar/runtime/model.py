@@ -24,6 +24,7 @@ from shardpar.precision import DtypePolicy
 from shardpar.runtime.boundary_cast import call_in_compute_dtype
 from shardpar.runtime.buffers import BufferSync
 from shardpar.runtime.frozen import FrozenShard
+from shardpar.runtime.frozen_modes import refuse_bitsandbytes, settle_frozen_mode
 from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
@@ -80,6 +81,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         self._post_partition_hooks: OrderedDict[int, Callable[[Any, Any], None]] = OrderedDict()  # weakref-able
         self._post_step_hooks: OrderedDict[int, Callable[[Any, Any], None]] = OrderedDict()
         refuse_nested(module)
+        refuse_bitsandbytes(module)
         if config.delayed_parameter_initialization:
             check_nothing_materialised(module, premade=premade)
         self.module = module
@@ -115,6 +117,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         # shard_optimizer_state ([Note: replica-sharded main], replica_shard.py); None when off or one replica
         self.replicas = replica_comm(config.shard_optimizer_state, topology, engine)
         self.units = self._build_units(plans, values)
+        settle_frozen_mode(self.units, config, topology, engine, self.device)  # frozen_modes.py
         self.scheduler = Scheduler(self.units, cap=config.sdp_max_live_parameters, live=self.live)
         self.reducer = GradReducer(
             engine,
@@ -245,6 +248,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
                     comm,
                     compute_dtype=self.policy.compute,
                     device=self.device,
+                    mode=self.shardpar_config.sdp_frozen_base_mode,
                 )
             unit = Unit(
                 len(units),
