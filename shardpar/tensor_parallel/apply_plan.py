@@ -94,10 +94,7 @@ def _build(module: Any, style: str, path: str, comm: TPComm) -> nn.Module | None
     if style == "embedding_heads":
         _check_kind(module, style, path, embedding=True)
         return HeadParallelEmbedding(_weight(module, comm), comm)
-    if style == "replicated_with_grad_allreduce":
-        _sum_weight_grads(module, comm)
-        return None
-    if style == "replicate":
+    if style in ("replicated_with_grad_allreduce", "replicate"):
         return None
     raise AssertionError(f"style {style!r} passed check_styles")
 
@@ -150,6 +147,11 @@ def apply_plan(
         if new is not None:
             _replace(base, path, new)
             converted[path] = new
+    for path, module, style in targets:
+        # a per-head norm sees this rank's heads only where its attention's projections were split
+        parent = path.rpartition(".")[0]
+        if style == "replicated_with_grad_allreduce" and any(p.rpartition(".")[0] == parent for p in converted):
+            _sum_weight_grads(module, comm)
     _localize_heads(base, family, converted, comm)
     _share_inputs(base, family, converted, comm)
     return len(converted)

@@ -48,6 +48,13 @@ def test_qwen3_splits_heads_and_sums_the_per_head_norm_gradients() -> None:
     assert isinstance(att.o_proj, RowParallelLinear) and att.o_proj.weight.shape == (32, 16)
     assert att.q_norm.weight.shape == (8,) and "summed_forward" in att.q_norm.forward.__name__
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, one vocabulary split
+    # an attention kept whole (smp.tensor_parallelism(enabled=False)): its norms see every head, nothing summed
+    model = tp_families.qwen3()
+    kept = {id(m) for m in model.model.layers[0].self_attn.modules()}
+    convert_hf_model(model, _comm(1), include=lambda m: id(m) not in kept)
+    att0, att1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    assert type(att0.q_proj) is nn.Linear and "summed_forward" not in att0.q_norm.forward.__name__
+    assert isinstance(att1.q_proj, ColumnParallelLinear) and "summed_forward" in att1.k_norm.forward.__name__
 
 
 def test_t5_splits_heads_of_the_relative_bias_and_keeps_its_three_embeddings_one() -> None:
