@@ -13,7 +13,9 @@ tensor parallelism, or it writes pieces (issue 20: every tensor of shape [0], a 
   * `module.save_pretrained(...)` (also reached as `model.save_pretrained`) gathers that state dict on
     every rank, lets rank 0 alone write (`is_main_process`), and returns on every rank once the files
     are there (a barrier). transformers already writes from rank 0 only; PEFT would let every rank write
-    the same files at once.
+    the same files at once. Called on some ranks only it raises there ([Note: collective entry]).
+    With a `state_dict=` given there is nothing to gather: rank 0 writes it, no collective, as plain
+    transformers does (its SMP branch calls it on rank 0 alone with the gathered state dict).
 """
 
 from __future__ import annotations
@@ -95,11 +97,15 @@ def wrap_save_pretrained(
 
     @functools.wraps(original)
     def save_pretrained(save_directory: Any, *args: Any, is_main_process: bool = True, **kwargs: Any) -> Any:
+        main = bool(is_main_process) and is_rank0
+        if kwargs.get("state_dict") is not None:
+            # Nothing to gather: plain transformers' behaviour, no collective. transformers' own SMP branch
+            # gathers model_wrapped.state_dict() on every rank, then calls this on rank 0 alone.
+            return original(save_directory, *args, is_main_process=main, **kwargs)
         with gathering("save_pretrained()", SAVE_PRETRAINED_FIX):
-            if kwargs.get("state_dict") is None:
-                kwargs["state_dict"] = module.state_dict()  # full, gathered on every rank
+            kwargs["state_dict"] = module.state_dict()  # full, gathered on every rank
             try:
-                return original(save_directory, *args, is_main_process=bool(is_main_process) and is_rank0, **kwargs)
+                return original(save_directory, *args, is_main_process=main, **kwargs)
             finally:
                 barrier()
 

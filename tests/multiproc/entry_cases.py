@@ -21,6 +21,12 @@ def rank0_only_gathers(directory: str) -> dict[str, str]:
         model.save_pretrained(os.path.join(directory, "every_rank"))
         smp.barrier()
         out["every_rank"] = ",".join(sorted(os.listdir(os.path.join(directory, "every_rank"))))
+        # transformers' own SMP branch: the state dict gathered on every rank, save_pretrained on rank 0
+        state_dict = model.state_dict()
+        if smp.rank() == 0:
+            model.save_pretrained(os.path.join(directory, "given_state_dict"), state_dict=state_dict)
+        smp.barrier()
+        out["given_state_dict"] = ",".join(sorted(os.listdir(os.path.join(directory, "given_state_dict"))))
         try:
             if smp.rank() == 0:
                 model.save_pretrained(os.path.join(directory, "rank0_only"))

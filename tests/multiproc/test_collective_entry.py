@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 def test_rank0_only_save_pretrained_and_state_dict_raise_with_the_fix(ranks, tmp_path: Path) -> None:
     results = ranks.run(4, rank0_only_gathers, str(tmp_path), timeout=300)
     assert "model.safetensors" in results[0]["every_rank"], results[0]
+    assert all("model.safetensors" in r["given_state_dict"] for r in results), results  # no collective
     assert not (tmp_path / "rank0_only").exists()  # rank 0 raised before gathering anything
     m = results[0]["rank0_save"]
     assert "rank 0 is in save_pretrained() while rank 1 is in smp.barrier()" in m, m
