@@ -81,7 +81,9 @@ class EntryCheck:
                     f"call it, and ranks {missing} did not within collective_entry_timeout_s={self.timeout_s:g} "
                     f"s. {fix}"
                 ) from None
-        names = {r: self._store.get(self._key(n, r)).decode() for r in others}
+        # one round trip for every name (multi_get), not one per rank
+        values = self._store.multi_get([self._key(n, r) for r in others])
+        names = {r: v.decode() for r, v in zip(others, values, strict=True)}
         elsewhere = {r: other for r, other in names.items() if other != name}
         if elsewhere:
             r, other = next(iter(elsewhere.items()))
