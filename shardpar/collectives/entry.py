@@ -9,12 +9,16 @@
 # names another rank, or gathers of the wrong tensors that happen to have the right size.
 #
 # So such a call first checks in, in the job's torch.distributed store (no collective, so it cannot
-# pair with anything): rank r sets `<job>/<init>/<n>/<r>` = the call's name, n counting this rank's
-# checked calls since smp.init, then waits for every rank's key n.
-#   * all there, one name: go on (a few store round trips);
-#   * a rank is in ANOTHER checked call at the same count (rank 0 in save_pretrained while the others
-#     wait in smp.barrier()): every rank involved raises at once, naming both calls;
-#   * a rank never arrives within collective_entry_timeout_s: the caller raises, naming the ranks missing.
+# pair with anything). Under `<job>/<init>/<n>/`, n counting this rank's checked calls since smp.init,
+# rank r sets `rank/<r>` = the call's name, offers "r|name" as `first` (the first writer wins), adds 1
+# to `arrived` (the last to arrive sets `all`) and waits for `all`: a handful of store operations per
+# rank, O(world) for the job (waiting on every rank's own key would be O(world^2) at the store).
+#   * one name: go on;
+#   * a rank whose name is not `first`'s records both in `conflict` before it arrives, and raises at
+#     once; the others, woken by `all`, find `conflict` and raise too (rank 0 in save_pretrained while
+#     the others wait in smp.barrier(): every rank raises at once, naming both calls);
+#   * `all` never comes within collective_entry_timeout_s: the caller raises, naming the ranks whose
+#     `rank/<r>` is missing.
 # Every rank makes the same checked calls in the same order -- that is what a collective demands -- so
 # the counts agree. Calls nested in a checked call (save_pretrained's state_dict) are not counted.
 """
@@ -51,9 +55,6 @@ class EntryCheck:
         self._count = 0
         self._local = threading.local()
 
-    def _key(self, count: int, rank: int) -> str:
-        return f"{self._prefix}{count}/{rank}"
-
     @contextlib.contextmanager
     def call(self, name: str, fix: str) -> Iterator[None]:
         """Around a gathering call named `name` (as the user wrote it); `fix` says how to call it right."""
@@ -69,32 +70,52 @@ class EntryCheck:
     def _check_in(self, name: str, fix: str) -> None:
         self._count += 1
         n = self._count
-        self._store.set(self._key(n, self.rank), name)
-        others = [r for r in self.ranks if r != self.rank]
+        me = f"{self.rank}|{name}"
+        self._store.set(self._key(n, f"rank/{self.rank}"), name)  # read only to name the missing on a timeout
+        first = self._store.compare_set(self._key(n, "first"), "", me).decode()  # first writer wins
+        conflict = None
+        if first.split("|", 1)[1] != name:  # record it before arriving: whoever wakes sees it
+            conflict = f"{me}|{first}"
+            self._store.compare_set(self._key(n, "conflict"), "", conflict)
+        if self._store.add(self._key(n, "arrived"), 1) == len(self.ranks):
+            self._store.set(self._key(n, "all"), "1")
+            self._forget(n - 1, shared=True)  # every rank is past count n-1 (it arrived here)
+        if conflict is not None:
+            raise self._mismatch(name, conflict, fix)  # at once: the others are woken by our arrival
         try:
-            self._store.wait([self._key(n, r) for r in others], datetime.timedelta(seconds=self.timeout_s))
+            self._store.wait([self._key(n, "all")], datetime.timedelta(seconds=self.timeout_s))
         except Exception:  # the store's timeout (DistStoreError): someone never came
-            missing = [r for r in others if not self._store.check([self._key(n, r)])]
-            if missing:
+            if not self._store.check([self._key(n, "conflict")]):
+                others = [r for r in self.ranks if r != self.rank]
+                missing = [r for r in others if not self._store.check([self._key(n, f"rank/{r}")])]
                 raise CollectiveEntryError(
                     f"rank {self.rank} called {name}, a collective: it gathers from every rank, so every rank must "
                     f"call it, and ranks {missing} did not within collective_entry_timeout_s={self.timeout_s:g} "
                     f"s. {fix}"
                 ) from None
-        # one round trip for every name (multi_get), not one per rank
-        values = self._store.multi_get([self._key(n, r) for r in others])
-        names = {r: v.decode() for r, v in zip(others, values, strict=True)}
-        elsewhere = {r: other for r, other in names.items() if other != name}
-        if elsewhere:
-            r, other = next(iter(elsewhere.items()))
-            raise CollectiveEntryError(
-                f"rank {self.rank} is in {name} while rank {r} is in {other}: collectives pair up across ranks, "
-                f"and these two would exchange each other's data. Every rank must call {name} (it gathers from "
-                f"every rank), and {other} too, in the same order. {fix}"
-            )
-        if n > 1:  # every rank has read count n-1 (it is at n): this rank's old key can go
+        if self._store.check([self._key(n, "conflict")]):
+            raise self._mismatch(name, self._store.get(self._key(n, "conflict")).decode(), fix)
+        self._forget(n - 1, shared=False)
+
+    def _key(self, count: int, what: str) -> str:
+        return f"{self._prefix}{count}/{what}"
+
+    def _forget(self, count: int, *, shared: bool) -> None:
+        """Delete a finished count's keys: this rank's own, or (by the last to arrive at the next) the shared."""
+        names = ("first", "conflict", "arrived", "all") if shared else (f"rank/{self.rank}",)
+        for what in names if count > 0 else ():
             with contextlib.suppress(Exception):
-                self._store.delete_key(self._key(n - 1, self.rank))
+                self._store.delete_key(self._key(count, what))
+
+    def _mismatch(self, name: str, conflict: str, fix: str) -> CollectiveEntryError:
+        """`conflict` = "r1|name1|r2|name2": two ranks in different calls; name the side that is not ours."""
+        r1, name1, r2, name2 = conflict.split("|", 3)
+        rank, other = (r2, name2) if name1 == name else (r1, name1)
+        return CollectiveEntryError(
+            f"rank {self.rank} is in {name} while rank {rank} is in {other}: collectives pair up across ranks, "
+            f"and these two would exchange each other's data. Every rank must call {name} (it gathers from "
+            f"every rank), and {other} too, in the same order. {fix}"
+        )
 
 
 def job_store(world: int) -> Any:

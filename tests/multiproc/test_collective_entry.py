@@ -4,6 +4,7 @@ save_pretrained."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ def test_rank0_only_save_pretrained_and_state_dict_raise_with_the_fix(ranks, tmp
     assert all("model.safetensors" in r["given_state_dict"] for r in results), results  # no collective
     assert not (tmp_path / "rank0_only").exists()  # rank 0 raised before gathering anything
     m = results[0]["rank0_save"]
-    assert "rank 0 is in save_pretrained() while rank 1 is in smp.barrier()" in m, m
+    assert re.search(r"rank 0 is in save_pretrained\(\) while rank [123] is in smp.barrier\(\)", m), m
     assert "drop the `if smp.rank() == 0:` around it" in m, m
     for r in (1, 2, 3):
         m = results[r]["rank0_save"]
