@@ -114,6 +114,14 @@ class Config:
         exclusive=True,
         maximum=1e6,  # the shm transport's limit (MAX_TIMEOUT_S in shm_transport.c): checked here, not at a first call
     )
+    collective_entry_timeout_s: float = _knob(
+        30.0,
+        "seconds a gathering call (model.state_dict(), save_pretrained, smp.save_checkpoint, smp.barrier()) waits "
+        "for every rank to call it too before it raises, naming the ranks missing ([Note: collective entry])",
+        minimum=0,
+        exclusive=True,
+        maximum=1e6,
+    )
     sdp_max_nonfinite_steps: int = _knob(
         3,
         "consecutive optimizer steps skipped for a non-finite gradient norm or loss (bf16/fp32) before "
