@@ -93,12 +93,20 @@ def fsdp2_save_case(path: str) -> dict[str, Any]:
     return out
 
 
-def shardpar_from_fsdp2_case(src: str, dst: str, saved: Any, after: Any, sdp: int, **knobs: Any) -> dict[str, Any]:
+def shardpar_from_fsdp2_case(
+    src: str, dst: str, converted: str, native: str, saved: Any, after: Any, sdp: int, **knobs: Any
+) -> dict[str, Any]:
     """A fresh shardpar model (another init) loads FSDP2's checkpoint, takes FSDP2's third step, saves
-    with DCP, and takes a fourth (what FSDP2 must reproduce from our checkpoint)."""
+    with DCP (and as a shardpar checkpoint, `native`), and takes a fourth (what FSDP2 must reproduce
+    from our checkpoint). Another fresh one resumes from `converted` (FSDP2's, through shardpar convert)."""
     model, opt = _shardpar(7, sdp, **knobs)
+    smp.resume_from_checkpoint(converted)
+    out_converted = _same(_full(model, opt), saved)
+    model, opt = smp.DistributedModel(models.tiny_neox(7)), None
+    opt = smp.DistributedOptimizer(_adamw(model))
     msd, osd = get_state_dict(model, opt)
     out: dict[str, Any] = {
+        "converted": out_converted,
         "types": sorted({type(v).__name__ for v in msd.values()}),
         "optim_types": sorted({type(v).__name__ for s in osd["state"].values() for v in s.values()}),
     }
@@ -107,16 +115,21 @@ def shardpar_from_fsdp2_case(src: str, dst: str, saved: Any, after: Any, sdp: in
     _step(model, opt, 3)
     out["stepped"] = _same(_full(model, opt), after)
     _save(model, opt, dst)
+    smp.save_checkpoint(native, tag="step3", partial=True, model=model, optimizer=opt)
     _step(model, opt, 4)
     out["next"] = _full(model, opt)
     return out
 
 
-def fsdp2_from_shardpar_case(src: str, saved: Any, after: Any) -> dict[str, Any]:
-    """FSDP2 (another init) loads shardpar's checkpoint and takes the step shardpar took next."""
+def fsdp2_from_shardpar_case(src: str, converted: str, saved: Any, after: Any) -> dict[str, Any]:
+    """FSDP2 (another init) loads shardpar's checkpoint and takes the step shardpar took next; another
+    loads `converted` (shardpar's own format through shardpar convert)."""
+    model, opt = _fsdp2(8)
+    _load(model, opt, converted)
+    out = {"converted": _same(_full(model, opt), saved)}
     model, opt = _fsdp2(7)
     _load(model, opt, src)
-    out = {"loaded": _same(_full(model, opt), saved)}
+    out["loaded"] = _same(_full(model, opt), saved)
     _step(model, opt, 4)
     out["stepped"] = _same(_full(model, opt), after)
     return out

@@ -1,11 +1,13 @@
 """Issue 32 item 5: torch.distributed.checkpoint both ways. An FSDP2 job's DCP checkpoint (world 2) loads
 into shardpar at world 4, sdp 2 bit for bit, and the next step matches FSDP2's; shardpar's DCP
-checkpoint loads into FSDP2 likewise. The cases say why the comparisons are exact."""
+checkpoint loads into FSDP2 likewise; so do both through `shardpar convert` (FSDP2's DCP -> shardpar's
+format -> a shardpar resume; shardpar's format -> DCP -> FSDP2). The cases say why the comparisons are exact."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from shardpar.cli.main import main
 from tests.multiproc import dcp_cases as cases
 
 
@@ -16,15 +18,19 @@ def _clean(res: dict, keys: tuple[str, ...], who: str) -> None:
 
 def test_fsdp2_checkpoint_into_shardpar_and_back(ranks, tmp_path: Path) -> None:
     fsdp2_dir, ours_dir = str(tmp_path / "fsdp2"), str(tmp_path / "shardpar")
+    converted, native, native_dcp = (str(tmp_path / n) for n in ("converted", "native", "native_dcp"))
     ref = ranks.run(2, cases.fsdp2_save_case, fsdp2_dir, timeout=300)[0]
     assert ref["placements"] == ["(Shard(dim=0),)"], ref["placements"]
-    got = ranks.run(4, cases.shardpar_from_fsdp2_case, fsdp2_dir, ours_dir, ref["saved"], ref["next"], 2, timeout=300)
+    assert main(["convert", fsdp2_dir, converted, "--to", "shardpar", "--optimizer-class", "AdamW"]) == 0
+    args = (fsdp2_dir, ours_dir, converted, native, ref["saved"], ref["next"], 2)
+    got = ranks.run(4, cases.shardpar_from_fsdp2_case, *args, timeout=300)
     for rank, res in enumerate(got):
         assert res["types"] == ["ShardedTensor"] and res["optim_types"] == ["ShardedTensor", "Tensor"], res
-        _clean(res, ("loaded", "stepped"), f"shardpar rank {rank}")
-    back = ranks.run(2, cases.fsdp2_from_shardpar_case, ours_dir, ref["next"], got[0]["next"], timeout=300)
+        _clean(res, ("converted", "loaded", "stepped"), f"shardpar rank {rank}")
+    assert main(["convert", native, native_dcp, "--to", "dcp"]) == 0
+    back = ranks.run(2, cases.fsdp2_from_shardpar_case, ours_dir, native_dcp, ref["next"], got[0]["next"], timeout=300)
     for rank, res in enumerate(back):
-        _clean(res, ("loaded", "stepped"), f"FSDP2 rank {rank}")
+        _clean(res, ("converted", "loaded", "stepped"), f"FSDP2 rank {rank}")
 
 
 def test_sharded_state_dict_aliases_and_loads_in_place(ranks) -> None:
