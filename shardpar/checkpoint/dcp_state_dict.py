@@ -129,6 +129,15 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
     dsd._init_optim_state(optimizer)
 
 
+def is_alias(value: Any, live: Any) -> bool:
+    """Whether a sharded state value is a view of exactly the optimizer's live state tensor `live`."""
+    if not isinstance(value, ShardedTensor) or not isinstance(live, torch.Tensor) or live.dim() == 0:
+        return False
+    mine = live.local_piece if isinstance(live, ShardedTensor) else live
+    piece = value.local_piece
+    return bool(piece.data_ptr() == mine.data_ptr() and piece.numel() == mine.numel() and piece.dtype == mine.dtype)
+
+
 def state_piece(value: Any, layout: ShardLayout, fqn: str) -> torch.Tensor | None:
     """This rank's piece of a ShardedTensor state value when its placement is ours, else None."""
     if isinstance(value, ShardedTensor) and same_placement(value.shard_layout, layout):

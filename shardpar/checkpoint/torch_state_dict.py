@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint.state_dict as dsd
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 
 from shardpar.checkpoint import dcp_state_dict
 from shardpar.optim.optimizer import DistributedOptimizer
@@ -151,10 +152,14 @@ def optimizer_state_dict(
     return {STATE: state, GROUPS: param_groups}
 
 
-def _piece(value: Any, where: _Stepped, like: torch.Tensor) -> Any:
-    """This rank's piece of a full-shape state tensor, as the optimizer keeps it (see `_full`)."""
+def _piece(value: Any, where: _Stepped, like: torch.Tensor, live: Any = None) -> Any:
+    """This rank's piece of a full-shape state tensor, as the optimizer keeps it (see `_full`). `live`:
+    the optimizer's own tensor for this state now; a sharded value aliasing it (what `dcp.load` filled
+    in place) is kept as it is, with no copy."""
     if not isinstance(value, torch.Tensor):
         return value
+    if dcp_state_dict.is_alias(value, live):
+        return live
     mine = dcp_state_dict.state_piece(value, where.layout, where.fqn)
     if mine is not None:  # a sharded state dict of this placement (after dcp.load): this rank's piece
         return ShardedTensor(mine, where.layout) if isinstance(like, ShardedTensor) else mine
@@ -205,7 +210,7 @@ def load_optimizer_state_dict(
             "pass StateDictOptions(strict=False) to load it anyway"
         )
     state = {
-        i: {k: _piece(v, where, p) for k, v in saved_state[where.fqn].items()}
+        i: {k: _piece(v, where, p, inner.state.get(p, {}).get(k)) for k, v in saved_state[where.fqn].items()}
         for i, (p, where) in enumerate(flat)
         if where.fqn in saved_state
     }
@@ -307,7 +312,8 @@ def _load_model(original: Callable[..., Any], model: nn.Module, state_dict: dict
         return original(model, state_dict, info)
     rest = dcp_state_dict.split_sharded(ours, state_dict, info.strict)
     if len(rest) < len(state_dict):  # the sharded values are in; the key checks ran on the whole dict
-        return ours.load_state_dict(rest, strict=False)
+        # nothing else to load: skip load_state_dict, which would refresh every unit for no values
+        return ours.load_state_dict(rest, strict=False) if rest else _IncompatibleKeys([], [])
     return ours.load_state_dict(state_dict, strict=info.strict)
 
 
