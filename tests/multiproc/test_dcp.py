@@ -9,6 +9,7 @@ from pathlib import Path
 
 from shardpar.cli.main import main
 from tests.multiproc import dcp_cases as cases
+from tests.multiproc.fsdp2_cases import _same
 
 
 def _clean(res: dict, keys: tuple[str, ...], who: str) -> None:
@@ -27,6 +28,12 @@ def test_fsdp2_checkpoint_into_shardpar_and_back(ranks, tmp_path: Path) -> None:
     for rank, res in enumerate(got):
         assert res["types"] == ["ShardedTensor"] and res["optim_types"] == ["ShardedTensor", "Tensor"], res
         _clean(res, ("converted", "loaded", "stepped"), f"shardpar rank {rank}")
+    # shard_optimizer_state: the optimizer pieces split over the replicas too; the same bits, the same step
+    args = (fsdp2_dir, str(tmp_path / "soc"), converted, str(tmp_path / "soc_native"), ref["saved"], ref["next"], 2)
+    soc = ranks.run(4, cases.shardpar_from_fsdp2_case, *args, shard_optimizer_state=True, timeout=300)
+    for rank, res in enumerate(soc):
+        _clean(res, ("converted", "loaded", "stepped"), f"shard_optimizer_state rank {rank}")
+        assert _same(res["next"], got[rank]["next"]) == [], f"shard_optimizer_state rank {rank}: another 4th step"
     assert main(["convert", native, native_dcp, "--to", "dcp"]) == 0
     back = ranks.run(2, cases.fsdp2_from_shardpar_case, ours_dir, native_dcp, ref["next"], got[0]["next"], timeout=300)
     for rank, res in enumerate(back):
