@@ -12,6 +12,7 @@ import datetime
 import enum
 import logging
 import os
+import sys
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -166,6 +167,12 @@ def shutdown() -> None:
             "on every rank before shutdown); `newest` still names the previous checkpoint",
             stacklevel=2,
         )
+    # A normal finish frees this rank's in-memory snapshots (RAM); on an error or a preemption exit (an
+    # exception on its way out of the caller's `finally`) they stay for the next start to resume from.
+    if sys.exc_info()[1] is None:
+        from shardpar.checkpoint import snapshot
+
+        snapshot.discard_written(_STATE.topology.rank)
     state, _STATE = _STATE, None
     close = getattr(state.engine.inner, "close", None)
     if close is not None:
