@@ -70,7 +70,7 @@ from shardpar.api.preemption import (
     stop_handling_preemption,
 )
 from shardpar.api.save import load, save
-from shardpar.api.snapshots import discard_snapshots, last_resume, save_snapshot
+from shardpar.api.snapshots import discard_snapshots, last_resume, save_snapshot, snapshot_directory
 from shardpar.api.step import StepOutput
 from shardpar.api.tp_registry import tp_register, tp_register_with_module
 from shardpar.api.training import (
@@ -164,6 +164,7 @@ __all__ = [
     "set_tensor_parallelism",
     "shutdown",
     "size",
+    "snapshot_directory",
     "state",
     "step",
     "stop_handling_preemption",

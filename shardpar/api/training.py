@@ -266,6 +266,7 @@ def resume_from_checkpoint(
     translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     *,
     snapshots: bool = True,
+    missing_ok: bool = False,
 ) -> Any:
     """Load the checkpoint `tag` (None: the newest) into the model and optimizer built before this
     call, resharding when the topology changed; returns the saved user_content. A re-save that
@@ -274,7 +275,8 @@ def resume_from_checkpoint(
     a `torch.save`d state dict, loaded weights-only into the model (checkpoint/torch_file.py).
     SMP v1's `load_sharded_optimizer_state` and `translate_function` are accepted at their defaults.
     With `tag=None` the node's in-memory snapshots of `path` (smp.save_snapshot) are considered too, unless
-    `snapshots=False`: the newest complete state wins (smp.last_resume() says which was loaded)."""
+    `snapshots=False`: the newest complete state wins (smp.last_resume() says which was loaded).; `missing_ok=True`
+    returns None where there is nothing to resume (a first start) instead of raising."""
     if load_sharded_optimizer_state is not True:
         raise ValueError(
             f"resume_from_checkpoint(load_sharded_optimizer_state={load_sharded_optimizer_state!r}): loading the "
@@ -311,4 +313,5 @@ def resume_from_checkpoint(
         strict=strict,
         load_optimizer=load_optimizer,
         snapshot_dir=considered(path) if snapshots and partial and tag is None else None,
+        missing_ok=missing_ok,
     )

@@ -215,11 +215,13 @@ def resume_from_checkpoint(
     strict: bool = True,
     load_optimizer: bool = True,
     snapshot_dir: Path | None = None,
+    missing_ok: bool = False,
 ) -> Any:
     """Load a checkpoint into the (already built) model and optimizer; returns its user_content.
 
     `snapshot_dir` (partial, tag None, strict, with the optimizer): the node's in-memory snapshots of this
-    job are considered too, and the newest complete state wins ([Note: choosing a snapshot]).
+    job are considered too, and the newest complete state wins ([Note: choosing a snapshot]). `missing_ok`
+    (partial, tag None): None when there is nothing to resume (no complete snapshot, no `newest`).
 
     tag None reads the `newest` pointer (`newest_full` with partial=False). Every file this rank
     needs is checked against the index first (present, complete, same checkpoint, same tensors) and
@@ -243,6 +245,11 @@ def resume_from_checkpoint(
         loaded, content = _snapshot_load.try_resume(root, snapshot_dir, model, optimizer, coord)
         if loaded:
             return content
+    newest = partial and tag is None and missing_ok
+    if newest and not coord.on_root("resume_from_checkpoint: newest", lambda: (root / "newest").is_file()):
+        _snapshot_load.last.clear()
+        _snapshot_load.last.update(source=None, description=f"nothing to resume under {root}")
+        return None
     if partial:
         job: _reshard.LoadJob | None = None
 
