@@ -36,6 +36,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import struct
 import time
@@ -247,17 +248,22 @@ def read_trailer(path: Path) -> dict[str, Any] | None:
     return trailer
 
 
-def read_payload(path: Path, trailer: dict[str, Any]) -> bytearray:
-    """The tensor bytes of a snapshot, checked against its recorded CRC-32 (ValueError on a mismatch)."""
-    data = bytearray(int(trailer["bytes"]))
+def read_payload(path: Path, trailer: dict[str, Any]) -> mmap.mmap:
+    """The tensor bytes of a snapshot, checked against its recorded CRC-32 (ValueError on a mismatch).
+
+    A private mapping of the file, not a copy: /dev/shm pages are RAM already, so mapping them costs no
+    read and no fresh (zero-filled) allocation -- the one copy a load makes is into the model. Private
+    (copy-on-write) only because torch.frombuffer wants a writable buffer; nothing writes to it."""
+    size = int(trailer["bytes"])
+    if size == 0:
+        return mmap.mmap(-1, 1)
     with open(path, "rb") as f:
-        if f.readinto(data) != len(data):
-            raise ValueError(f"{path}: shorter than its trailer says ({len(data)} bytes)")
+        data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
     verify(data, trailer, str(path))
     return data
 
 
-def verify(data: bytearray, trailer: dict[str, Any], where: str) -> None:
+def verify(data: bytes | bytearray | mmap.mmap, trailer: dict[str, Any], where: str) -> None:
     crc, view = 0, memoryview(data)
     for lo in range(0, len(view), _CHUNK):
         crc = zlib.crc32(view[lo : lo + _CHUNK], crc)

@@ -20,6 +20,7 @@ changed yet). A rank that loads a peer's bytes keeps its own RNG state (the peer
 from __future__ import annotations
 
 import base64
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ from shardpar.optim.loss_scaling import ScalerResume
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.sharded_tensor import ShardedTensor
+
+Payload = bytes | bytearray | mmap.mmap  # a snapshot's tensor bytes: a mapping of its file, or what a peer sent
 
 # What the last resume_from_checkpoint loaded: {"source": "memory" | "disk", "step": ..., "where": ...}
 # (smp.last_resume(); the recipes print it).
@@ -117,17 +120,18 @@ def choose(model: DistributedModel, reports: list[dict[str, Any]], disk: dict[st
     return None
 
 
-def _fetch(directory: Path, choice: Choice, coord: Coordinator) -> tuple[dict[str, Any], bytearray | None, str]:
+def _fetch(directory: Path, choice: Choice, coord: Coordinator) -> tuple[dict[str, Any], Payload | None, str]:
     """This rank's trailer and verified bytes (None and an error text when they fail)."""
     rank = coord.rank
     kind, holder = choice.sources[rank]
-    got: tuple[dict[str, Any], bytearray | None, str] | None = None
+    got: tuple[dict[str, Any], Payload | None, str] | None = None
     for r, (k, p) in enumerate(choice.sources):  # the rare path: every rank joins each peer's broadcast
         if k != "send":
             continue
         payload: Any = None
         if rank == p:
-            payload = _read(directory, p, choice.step)
+            t, d, e = _read(directory, p, choice.step)
+            payload = (t, bytearray(d) if d is not None else None, e)  # a mapping does not pickle
         payload = broadcast_object(payload, p, coord.world)
         if r == rank:
             got = payload
@@ -138,7 +142,7 @@ def _fetch(directory: Path, choice: Choice, coord: Coordinator) -> tuple[dict[st
     return got
 
 
-def _read(directory: Path, rank: int, step: int) -> tuple[dict[str, Any], bytearray | None, str]:
+def _read(directory: Path, rank: int, step: int) -> tuple[dict[str, Any], Payload | None, str]:
     for slot in (0, 1):
         path = snap.file_of(directory, rank, slot)
         t = snap.read_trailer(path)
@@ -215,7 +219,7 @@ def try_resume(
     return True, ix.decode(trailer["user_content"])
 
 
-def _tensor(trailer: dict[str, Any], data: bytearray, key: str) -> torch.Tensor:
+def _tensor(trailer: dict[str, Any], data: Payload, key: str) -> torch.Tensor:
     dtype, shape, offset, nbytes = trailer["tensors"][key]
     flat = (
         torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
@@ -227,7 +231,7 @@ def _tensor(trailer: dict[str, Any], data: bytearray, key: str) -> torch.Tensor:
 
 def _apply(
     trailer: dict[str, Any],
-    data: bytearray,
+    data: Payload,
     model: DistributedModel,
     optimizer: DistributedOptimizer | None,
     plan: ScalerResume | None,
