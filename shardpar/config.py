@@ -128,6 +128,14 @@ class Config:
         "optimizer.step() raises; 0 = raise at the first",
         minimum=0,
     )
+    checkpoint_snapshot_interval: int = _knob(
+        0,
+        "smp.save_snapshot(path, step) copies each rank's state into host shared memory when step % N == 0 "
+        "(checkpoint/snapshot.py); 0 = off",
+        minimum=0,
+    )
+    checkpoint_snapshot_dir: str = _knob("/dev/shm", "node-local directory of the in-memory snapshots")
+    checkpoint_snapshot_job: str = _knob("", "name of the job's snapshots; empty: a hash of the checkpoint path")
     # Read from the SMDDP_* environment variables (reference 003, "Performance and memory tuning").
     smddp_ag_scratch_buffer_size_bytes: int = _knob(16 * 1024 * 1024, "env SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES")
     smddp_ag_sort_buffer_size_bytes: int = _knob(128 * 1024 * 1024, "env SMDDP_AG_SORT_BUFFER_SIZE_BYTES")

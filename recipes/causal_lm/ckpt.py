@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,27 @@ def resume(path: Path, tag: str) -> Any:
     if tag == "newest" and not (path / "newest").is_file():
         raise ValueError(f"--resume: no checkpoint under {path} yet (expected {path / 'newest'})")
     return smp.resume_from_checkpoint(path, None if tag == "newest" else tag, partial=True)
+
+
+def restarted(path: Path) -> bool:
+    """Collective: whether this start continues a run that died -- torchrun restarted it
+    (TORCHELASTIC_RESTART_COUNT > 0), or some rank finds in-memory snapshots of `path` that a crash or a
+    preemption left (a normal finish removes them). A fresh start of a finished run is not a restart."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    directory = smp.snapshot_directory(path)
+    left = directory.is_dir() and any(directory.glob("rank*.snap"))
+    return count > 0 or any(smp.allgather(left))
+
+
+def resume_newest(path: Path) -> Any:
+    """The newest complete state under `path`: an in-memory snapshot or the disk checkpoint, whichever is
+    newer; its user_content, or None when there is none (smp.last_resume() says which was loaded)."""
+    return smp.resume_from_checkpoint(path, partial=True, missing_ok=True)
+
+
+def snapshot(path: Path, step: int, user_content: Any) -> str | None:
+    """This rank's in-memory snapshot when `step` is a multiple of checkpoint_snapshot_interval (local)."""
+    return smp.save_snapshot(path, step, user_content)
 
 
 def export(path: Path, tag: str, *, model: Any) -> Path:

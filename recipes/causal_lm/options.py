@@ -51,6 +51,8 @@ class Options:
     checkpoint_errors: str = "raise"  # "warn": a failed save/export is reported and training goes on
     async_checkpoints: bool = False  # save returns after a host copy; a background thread writes (docs/checkpoints.md)
     preemption: bool = True  # on SIGTERM every rank saves at the step's end and exits 143 (--resume continues)
+    snapshot_every: int = 0  # every N steps each rank copies its state to host shared memory (/dev/shm)
+    auto_resume: bool = True  # a restarted run (torchrun restart, snapshots a crash left) resumes by itself
     sample_tokens: int = 64
     prompt: str = "def "
     log_every: int = 0  # 0: about 20 lines per run when stdout is not a terminal
@@ -69,6 +71,8 @@ class Options:
         for name in ("sdp", "tp", "batch", "seq", "steps", "accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}={getattr(self, name)} must be >= 1")
+        if self.snapshot_every < 0:
+            raise ValueError(f"--snapshot-every={self.snapshot_every} must be >= 0 (0: no in-memory snapshots)")
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be >= 0 (0: no checkpoints)")
         if self.tokenizer == "bpe" and self.vocab_size <= 257:
@@ -97,6 +101,8 @@ class Options:
             cfg["prescaled_batch"] = True  # reference 003: the TP group reads one combined batch
         if self.delayed_init:
             cfg["delayed_parameter_initialization"] = True
+        if self.snapshot_every:
+            cfg["checkpoint_snapshot_interval"] = self.snapshot_every
         return {**cfg, **self.smp}
 
 
@@ -146,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-preemption", dest="preemption", action="store_false", help="SIGTERM kills at once (no save first)"
     )
+    p.add_argument("--snapshot-every", type=int, help="copy each rank's state to /dev/shm every N steps (0: never)")
+    p.add_argument(
+        "--no-auto-resume", dest="auto_resume", action="store_false",
+        help="a restarted run starts from step 0 instead of the newest snapshot or checkpoint",
+    )  # fmt: skip
     p.add_argument("--no-export", dest="export", action="store_false", help="skip the Hugging Face export")
     p.add_argument("--sample-tokens", type=int, help="tokens generated at the end (0: none)")
     p.add_argument("--prompt")

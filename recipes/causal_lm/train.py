@@ -106,6 +106,12 @@ def _setup(opts: Options) -> _Job:
         content = ckpt.resume(opts.checkpoint_path, opts.resume)
         result.start_step = int(content["step"])
         job.say(f"resumed from {opts.checkpoint_path} ({opts.resume}) at step {result.start_step}")
+    elif opts.auto_resume and ckpt.restarted(opts.checkpoint_path):
+        # the data order is a function of the step (data.batch), so the step restores it
+        content = ckpt.resume_newest(opts.checkpoint_path)
+        result.start_step = int(content["step"]) if content is not None else 0
+        where = smp.last_resume().get("description", "")
+        job.say(f"restarted: resumed from {where} at step {result.start_step} (--no-auto-resume: start over)")
     if job.is_first:
         # every option of this run, loadable with --config (e.g. to --resume it with more --steps)
         out.mkdir(parents=True, exist_ok=True)
@@ -215,6 +221,8 @@ def _train(job: _Job) -> None:
         saved = bool(o.checkpoint_every) and (rec.step % o.checkpoint_every == 0 or rec.step == o.steps)
         if saved:
             _save(job, rec.step, tokens_seen)
+        if o.snapshot_every:  # after the disk save: at a tie the snapshot is the one a restart reads
+            ckpt.snapshot(o.checkpoint_path, rec.step, {"step": rec.step, "tokens": tokens_seen})
         if any(g[3] for g in gathered):
             if log is not None:
                 log.close()

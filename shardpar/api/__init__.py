@@ -70,6 +70,7 @@ from shardpar.api.preemption import (
     stop_handling_preemption,
 )
 from shardpar.api.save import load, save
+from shardpar.api.snapshots import discard_snapshots, last_resume, save_snapshot, snapshot_directory
 from shardpar.api.step import StepOutput
 from shardpar.api.tp_registry import tp_register, tp_register_with_module
 from shardpar.api.training import (
@@ -105,6 +106,7 @@ __all__ = [
     "comm_stats",
     "delay_param_initialization",
     "device",
+    "discard_snapshots",
     "dp_barrier",
     "dp_rank",
     "dp_size",
@@ -127,6 +129,7 @@ __all__ = [
     "init",
     "is_initialized",
     "is_tracing",
+    "last_resume",
     "load",
     "local_rank",
     "local_size",
@@ -152,6 +155,7 @@ __all__ = [
     "resume_from_checkpoint",
     "save",
     "save_checkpoint",
+    "save_snapshot",
     "sdp_rank",
     "sdp_size",
     "send",
@@ -160,6 +164,7 @@ __all__ = [
     "set_tensor_parallelism",
     "shutdown",
     "size",
+    "snapshot_directory",
     "state",
     "step",
     "stop_handling_preemption",

@@ -12,6 +12,7 @@ import datetime
 import enum
 import logging
 import os
+import sys
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -173,6 +174,12 @@ def shutdown() -> None:
             "on every rank before shutdown); `newest` still names the previous checkpoint",
             stacklevel=2,
         )
+    # A normal finish frees this rank's in-memory snapshots (RAM); on an error or a preemption exit (an
+    # exception on its way out of the caller's `finally`) they stay for the next start to resume from.
+    if sys.exc_info()[1] is None:
+        from shardpar.checkpoint import snapshot
+
+        snapshot.discard_written(_STATE.topology.rank)
     state, _STATE = _STATE, None
     close = getattr(state.engine.inner, "close", None)
     if close is not None:
@@ -276,8 +283,25 @@ def _init_default_group(world: int, rank: int, timeout_s: float, device: torch.d
         for var in ("MASTER_ADDR", "MASTER_PORT"):
             if var not in os.environ:
                 raise ValueError(f"WORLD_SIZE={world} but {var} is not set; launch with torchrun")
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=_attempt_store(timeout))
     return True
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's agent store, a store whose keys are this restart attempt's alone; else None (env://).
+
+    [Note: stale keys after a torchrun restart]
+    torchrun --max-restarts N keeps one TCPStore (the agent's) across attempts, and the env:// default group
+    of this torch leaves the previous attempt's gloo addresses in it: a rank of the restarted attempt that
+    reads its peer's key before the peer wrote it anew connects to the dead process's port ("Gloo
+    connectFullMesh failed ... Connection refused"; reproduced with plain torch by delaying one rank of the
+    second attempt by 5 s). A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps each attempt's keys apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/shardpar/attempt_{attempt}", store)
 
 
 def state() -> _State:

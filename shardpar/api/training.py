@@ -17,6 +17,7 @@ from torch import nn
 
 from shardpar import checkpoint as _checkpoint
 from shardpar.api.context import _REGISTERED, _TP_MARKS, state
+from shardpar.api.snapshots import considered
 from shardpar.api.step import StepOptions, make_step
 from shardpar.checkpoint import async_save as _async_save
 from shardpar.checkpoint.torch_file import load_torch_file
@@ -265,13 +266,19 @@ def resume_from_checkpoint(
     load_optimizer: bool = True,
     load_sharded_optimizer_state: bool = True,
     translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    *,
+    snapshots: bool = True,
+    missing_ok: bool = False,
 ) -> Any:
     """Load the checkpoint `tag` (None: the newest) into the model and optimizer built before this
     call, resharding when the topology changed; returns the saved user_content. A re-save that
     crashed between its two renames is undone first ([Note: re-saving a tag] in checkpoint/atomic.py).
     With `partial=False`, a file (`path/tag`, or `path` without a tag) is read as SMP v1's `fullmodel.pt`:
     a `torch.save`d state dict, loaded weights-only into the model (checkpoint/torch_file.py).
-    SMP v1's `load_sharded_optimizer_state` and `translate_function` are accepted at their defaults."""
+    SMP v1's `load_sharded_optimizer_state` and `translate_function` are accepted at their defaults.
+    With `tag=None` the node's in-memory snapshots of `path` (smp.save_snapshot) are considered too, unless
+    `snapshots=False`: the newest complete state wins (smp.last_resume() says which was loaded).; `missing_ok=True`
+    returns None where there is nothing to resume (a first start) instead of raising."""
     if load_sharded_optimizer_state is not True:
         raise ValueError(
             f"resume_from_checkpoint(load_sharded_optimizer_state={load_sharded_optimizer_state!r}): loading the "
@@ -307,4 +314,6 @@ def resume_from_checkpoint(
         partial=partial,
         strict=strict,
         load_optimizer=load_optimizer,
+        snapshot_dir=considered(path) if snapshots and partial and tag is None else None,
+        missing_ok=missing_ok,
     )

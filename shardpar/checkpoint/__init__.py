@@ -29,6 +29,7 @@ from shardpar.checkpoint import full_load as _full_load
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint import partial as _partial
 from shardpar.checkpoint import reshard as _reshard
+from shardpar.checkpoint import snapshot_load as _snapshot_load
 from shardpar.checkpoint.atomic import Coordinator
 from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, verify_share
 from shardpar.collectives import Engine
@@ -213,8 +214,14 @@ def resume_from_checkpoint(
     partial: bool = True,
     strict: bool = True,
     load_optimizer: bool = True,
+    snapshot_dir: Path | None = None,
+    missing_ok: bool = False,
 ) -> Any:
     """Load a checkpoint into the (already built) model and optimizer; returns its user_content.
+
+    `snapshot_dir` (partial, tag None, strict, with the optimizer): the node's in-memory snapshots of this
+    job are considered too, and the newest complete state wins ([Note: choosing a snapshot]). `missing_ok`
+    (partial, tag None): None when there is nothing to resume (no complete snapshot, no `newest`).
 
     tag None reads the `newest` pointer (`newest_full` with partial=False). Every file this rank
     needs is checked against the index first (present, complete, same checkpoint, same tensors) and
@@ -234,6 +241,15 @@ def resume_from_checkpoint(
     # A re-save that crashed between its two renames is undone first ([Note: re-saving a tag]), and
     # what crashed saves left is removed ([Note: stale temporary entries]).
     coord.on_root("resume_from_checkpoint: recovering", lambda: atomic.sweep(root))
+    if partial and tag is None and snapshot_dir is not None and strict and load_optimizer:
+        loaded, content = _snapshot_load.try_resume(root, snapshot_dir, model, optimizer, coord)
+        if loaded:
+            return content
+    newest = partial and tag is None and missing_ok
+    if newest and not coord.on_root("resume_from_checkpoint: newest", lambda: (root / "newest").is_file()):
+        _snapshot_load.last.clear()
+        _snapshot_load.last.update(source=None, description=f"nothing to resume under {root}")
+        return None
     if partial:
         job: _reshard.LoadJob | None = None
 
@@ -248,7 +264,12 @@ def resume_from_checkpoint(
         coord.gather("resume_from_checkpoint", check)
         if job is None:
             raise AssertionError("checked load job missing")
-        return job.apply()
+        content = job.apply()
+        _snapshot_load.last.clear()
+        _snapshot_load.last.update(
+            source="disk", tag=job.directory.name, description=f"disk checkpoint {job.directory}"
+        )
+        return content
     load: _full_load.FullLoad | None = None
 
     def check_full() -> None:

@@ -7,6 +7,7 @@ run can be compared with a straight one.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -233,7 +234,18 @@ def trainer_preempted_case(out: str) -> dict[str, Any]:
     result["stopped"] = tc._history(stopped)["loss"]
     result["listing"] = sorted(p.name for p in Path(f"{out}/b").iterdir())
     smp.shutdown()
+    if int(os.environ["RANK"]) == 0:  # (d) restarts from the same stopped run; it starts after (c)'s collectives
+        shutil.copytree(f"{out}/b", f"{out}/c")
     resumed = trainer("b")
     resumed.train(resume_from_checkpoint=True)
     result["resumed"] = tc._history(resumed)["loss"]
+    smp.shutdown()
+    # (d) what torchrun --max-restarts does after a failure: the same script again, no resume argument
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+    try:
+        restarted = trainer("c")
+        restarted.train()
+        result["restarted"] = tc._history(restarted)["loss"]
+    finally:
+        del os.environ["TORCHELASTIC_RESTART_COUNT"]
     return result

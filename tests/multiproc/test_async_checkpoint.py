@@ -122,3 +122,4 @@ def test_trainer_saves_on_sigterm_and_resumes(ranks, tmp_path: Path) -> None:
         assert r["stopped"] == r["straight"][:2]
         tail = r["resumed"][-2:]
         assert len(tail) == 2 and max(abs(a - b) for a, b in zip(tail, r["straight"][2:], strict=True)) <= 1e-5, r
+        assert r["restarted"] == r["resumed"], r  # a torchrun restart resumes as resume_from_checkpoint=True does

@@ -24,6 +24,8 @@ Each Trainer step goes through shardpar's own API:
 - `resume_from_checkpoint`: the partial checkpoint, resharded to this run's world size and sdp.
 - SIGTERM (spot, Kubernetes, SLURM): `checkpoint-<step>` saved at the end of that step on every rank, then
   exit code 143 (`Trainer(..., shardpar_preemption=False)`: the signal's default).
+- a torchrun restart (`--max-restarts`, after a rank died) resumes from the newest `checkpoint-N` without
+  `resume_from_checkpoint` (auto_resume.py; `Trainer(..., shardpar_auto_resume=False)` opts out).
 - data: accelerate's per-rank split, over the reduced-data-parallel ranks (a TP group reads one batch).
 """
 
@@ -48,6 +50,7 @@ from shardpar.integrations.accelerate import SHARDPAR_DIR, Accelerator
 from shardpar.integrations.accelerated import ShardparOptimizer, distributed_optimizer
 from shardpar.integrations.hf_export import save_full_weights
 from shardpar.integrations.peft_export import is_peft_model, load_adapter, save_adapter
+from shardpar.integrations.transformers.auto_resume import checkpoint_to_resume, restart_count
 from shardpar.integrations.transformers.preemption import PreemptionCallback
 from shardpar.integrations.transformers.settings import check_trainer_arguments, trainer_config
 from shardpar.optim.clipping import TRAINER
@@ -65,6 +68,7 @@ class Trainer(transformers.Trainer):
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *more: Any, **kwargs: Any) -> None:
         shardpar_config = kwargs.pop("shardpar_config", None)
         preemption = kwargs.pop("shardpar_preemption", True)
+        self._auto_resume = bool(kwargs.pop("shardpar_auto_resume", True))
         given = _TRAINER_INIT.bind_partial(None, model, args, *more, **kwargs).arguments
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
         # Refusals first: every rank raises the same error before shardpar does any work.
@@ -93,7 +97,14 @@ class Trainer(transformers.Trainer):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' train(); with `shardpar_preemption` (default True) SIGTERM saves `checkpoint-<step>`
         at the end of the step on every rank, then exits with smp.PREEMPTED_EXIT_CODE (resume with
-        `resume_from_checkpoint=True`)."""
+        `resume_from_checkpoint=True`). A torchrun restart resumes from the newest checkpoint by itself
+        (auto_resume.py) unless `shardpar_auto_resume=False`."""
+        if self._auto_resume and not args and kwargs.get("resume_from_checkpoint") is None:
+            found = checkpoint_to_resume(self.args.output_dir)
+            if found is not None:
+                if smp.rank() == 0:
+                    print(f"shardpar: restart {restart_count()} of this run: resuming from {found}", flush=True)
+                kwargs["resume_from_checkpoint"] = found
         if self._preemption is None:
             return super().train(*args, **kwargs)
         smp.handle_preemption()

@@ -1,0 +1,83 @@
+"""Snapshot files on their own (world of one): the interval, the double buffer, a torn or damaged file,
+bad arguments, and that a normal shutdown removes them but an exception on its way out does not."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardpar as smp
+from shardpar.checkpoint import snapshot
+from tests import models
+from tests.conftest import init_world_of_one
+
+
+def _train_one(model: smp.DistributedModel, opt: smp.DistributedOptimizer) -> None:
+    batch = models.mlp_batch(0, 4)
+    model.backward(model(**batch))
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.fixture
+def shm_world(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
+    with init_world_of_one(monkeypatch, checkpoint_snapshot_dir=str(tmp_path / "shm"), checkpoint_snapshot_interval=2):
+        torch.manual_seed(0)
+        model = smp.DistributedModel(models.UnevenMLP())
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        _train_one(model, opt)
+        yield model, opt, tmp_path
+
+
+def test_interval_double_buffer_and_damage(shm_world) -> None:  # type: ignore[no-untyped-def]
+    _, _, tmp = shm_world
+    root = tmp / "ckpt"
+    assert smp.save_snapshot(root, 1) is None  # not a multiple of 2
+    first, second = smp.save_snapshot(root, 2, {"step": 2}), smp.save_snapshot(root, 4, {"step": 4})
+    assert first is not None and second is not None and first != second  # the two slots
+    third = smp.save_snapshot(root, 6, {"step": 6})
+    assert third == first  # the older slot (step 2) is the one replaced
+    directory = Path(first).parent
+    assert sorted(p.name for p in directory.iterdir()) == ["rank00000.0.snap", "rank00000.1.snap"]
+    trailer = snapshot.read_trailer(Path(third))
+    assert trailer is not None and trailer["step"] == 6 and trailer["peers"] == []
+    snapshot.read_payload(Path(third), trailer)  # intact: no error
+    data = bytearray(Path(third).read_bytes())
+    data[5] ^= 0x10
+    Path(third).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum crc32:"):
+        snapshot.read_payload(Path(third), trailer)
+    Path(third).write_bytes(bytes(data[: len(data) // 2]))  # torn: no trailer where the footer says
+    assert snapshot.read_trailer(Path(third)) is None
+
+
+def test_bad_arguments_name_the_value(shm_world) -> None:  # type: ignore[no-untyped-def]
+    _, _, tmp = shm_world
+    with pytest.raises(ValueError, match=r"step=-1"):
+        smp.save_snapshot(tmp, -1)
+    with pytest.raises(ValueError, match=r"every=-2"):
+        smp.save_snapshot(tmp, 2, every=-2)
+    with pytest.raises(ValueError, match=re.escape("checkpoint_snapshot_job='../x'")):
+        snapshot.job_key(tmp, "../x")
+
+
+def test_shutdown_removes_snapshots_only_on_a_normal_finish(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def run(fail: bool) -> Path:
+        with init_world_of_one(monkeypatch, checkpoint_snapshot_dir=str(tmp_path / "shm"), checkpoint_snapshot_job="j"):
+            model = smp.DistributedModel(models.UnevenMLP())
+            opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+            _train_one(model, opt)
+            written = Path(str(smp.save_snapshot(tmp_path, 1, every=1)))
+            if fail:
+                raise RuntimeError("a crash")
+        return written
+
+    with pytest.raises(RuntimeError, match="a crash"):
+        run(fail=True)
+    assert (tmp_path / "shm" / "shardpar-snap-j" / "rank00000.0.snap").exists()  # kept for the next start
+    snapshot.written.clear()
+    run(fail=False)
+    assert not (tmp_path / "shm" / "shardpar-snap-j").exists()
