@@ -288,6 +288,10 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
             for leaf in owners.leaves().values():
                 leaf.grad = None
 
+    def owned_leaves(self) -> list[tuple[str, nn.Parameter, bool]]:
+        """(fqn, leaf, whether this rank owns it) of every parameter stepped whole on an owner."""
+        return [(o.piece.fqn, o.leaf, o.owner == oc.me) for oc in self.owners for o in oc.owned]
+
     def main_piece(self, p: torch.Tensor) -> torch.Tensor | None:
         """The leaf the inner optimizer steps for original parameter `p` (its local main shard)."""
         return self._main_piece.get(id(p))

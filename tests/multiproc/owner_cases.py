@@ -142,3 +142,74 @@ def _state_on_non_owned(opt: Any) -> int:
 
 def run_many(cases: list[tuple[str, str, dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
     return [owner_parity(kind, name, knobs, **kw) for kind, name, knobs, kw in cases]
+
+
+# ---- checkpoints: owner-held state saved once, resharded on load ---------------------------------
+
+
+def _build_ckpt(knobs: dict[str, Any], seed: int) -> tuple[Any, Any]:
+    from tests.multiproc import checkpoint_cases as ck
+
+    smp.init({**ck.SHARD, **knobs})
+    torch.manual_seed(seed)
+    model = smp.DistributedModel(models.UnevenMLP())
+    return model, smp.DistributedOptimizer(make_optimizer("muon", model))
+
+
+def _train_ckpt(model: Any, opt: Any, steps: range) -> list[float]:
+    from tests.multiproc import checkpoint_cases as ck
+
+    return ck._train(model, opt, _NoSchedule(), steps)
+
+
+class _NoSchedule:
+    def step(self) -> None:
+        pass
+
+
+def owned_state(opt: Any) -> dict[str, torch.Tensor]:
+    """Every owner-held state tensor by "fqn:name", gathered from the owners; raises if two owners
+    (replicas, TP ranks) disagree."""
+    mine = [
+        (f"{fqn}:{k}", v.clone())
+        for fqn, leaf, is_mine in opt.owned_leaves()
+        if is_mine
+        for k, v in opt.state.get(leaf, {}).items()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    out: dict[str, torch.Tensor] = {}
+    for entries in smp.allgather(mine):
+        for key, value in entries:
+            if key in out and not torch.equal(out[key], value):
+                raise AssertionError(f"{key}: two owners hold different state")
+            out.setdefault(key, value)
+    return out
+
+
+def save_owned_case(root: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """Muon + AdamW: 3 steps, save, 3 more (the straight run)."""
+    from tests.multiproc import checkpoint_cases as ck
+
+    model, opt = _build_ckpt(knobs, 0)
+    try:
+        _train_ckpt(model, opt, range(3))
+        at_save, state = ck._full_state(model), owned_state(opt)
+        ck._save(root, "step3", model, opt)
+        rest = _train_ckpt(model, opt, range(3, 6))
+        return {"losses": rest, "final": ck._full_state(model), "at_save": at_save, "owned": state}
+    finally:
+        smp.shutdown()
+
+
+def resume_owned_case(root: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """Another seed under `knobs`, resume, train steps 3..5."""
+    from tests.multiproc import checkpoint_cases as ck
+
+    model, opt = _build_ckpt(knobs, 123)
+    try:
+        ck._resume(root, "step3", model, opt)
+        resumed, state = ck._full_state(model), owned_state(opt)
+        losses = _train_ckpt(model, opt, range(3, 6))
+        return {"resumed": resumed, "owned": state, "losses": losses, "final": ck._full_state(model)}
+    finally:
+        smp.shutdown()

@@ -6,7 +6,11 @@ shardpar/optim/owner_compute.py).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from tests.multiproc import owner_cases as cases
 
@@ -41,3 +45,36 @@ def test_shape_aware_optimizers_train_exactly_at_world_4(ranks) -> None:
         groups = 4 // members  # exchange groups: each holds every parameter once
         assert all(r[i]["state_elsewhere"] == 0 for r in per_rank), f"{kind} {name}: state on a non-owner"
         assert owned == per_rank[0][i]["planned"] * groups, (kind, name, owned)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())[:4]
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_owner_held_state_is_saved_once_and_resharded_on_load(ranks, tmp_path: Path) -> None:
+    """Saved at world 4 / sdp 2 x 2 replicas; resumed at the same setting (bit-exact training after),
+    at sdp 4, with shard_optimizer_state (other owners) and at world 2."""
+    root = str(tmp_path)
+    straight = ranks.run(4, cases.save_owned_case, root, {"sharded_data_parallel_degree": 2})[0]
+    assert straight["owned"], "Muon holds momentum buffers on owners"
+    index = json.loads((tmp_path / "step3_partial" / "index.json").read_text())
+    written = [k for f in index["files"].values() for k in f["tensors"] if k.startswith("owned/")]
+    assert sorted(written) == sorted(f"owned/{k.split(':')[1]}/{k.split(':')[0]}" for k in straight["owned"]), (
+        "each owner-held state tensor is written exactly once (one owner, TP rank 0, replica 0)"
+    )
+    resumes: list[tuple[int, dict[str, Any], bool]] = [
+        (4, {"sharded_data_parallel_degree": 2}, True),
+        (4, {"sharded_data_parallel_degree": 4}, False),
+        (4, {"sharded_data_parallel_degree": 2, **SOS}, False),
+        (2, {"sharded_data_parallel_degree": 2}, False),
+    ]
+    for world, knobs, same in resumes:
+        for rank, res in enumerate(ranks.run(world, cases.resume_owned_case, root, knobs)):
+            where = f"world {world} {knobs} rank {rank}"
+            assert _max_diff(res["resumed"], straight["at_save"]) == 0.0, f"{where}: params"
+            assert _max_diff(res["owned"], straight["owned"]) == 0.0, f"{where}: owner-held state"
+            tol = 0.0 if same else 1e-6  # another setting sums gradients in another order
+            losses = max(abs(a - b) for a, b in zip(res["losses"], straight["losses"], strict=True))
+            assert losses <= tol, f"{where}: losses differ by {losses:.2e}"
+            assert _max_diff(res["final"], straight["final"]) <= tol, f"{where}: final params"
