@@ -26,8 +26,9 @@ OWNER_KINDS = ("muon", "adafactor")
 def block_matrices(shape: Any) -> list[tuple[str, tuple[int, ...]]]:
     """(name, full shape) of each decoder block's weight matrices."""
     h = shape.hidden
-    out = []
+    out: list[tuple[str, tuple[int, ...]]] = []
     for layer in range(shape.num_layers):
+        dims: tuple[int, ...]
         for name, dims in (("qkv", (3 * h, h)), ("proj", (h, h)), ("fc1", (4 * h, h)), ("fc2", (h, 4 * h))):
             out.append((f"layers.{layer}.{name}", dims))
     return out
