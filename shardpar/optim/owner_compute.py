@@ -18,7 +18,9 @@ lives on the owner only). One `opt.step()`:
     scatter  all_to_all: row d = the updated values of d's pieces of my parameters -> main shards
 
 Each all_to_all sends equal blocks (the engines' contract), padded to the largest (source, owner) pair
-of the plan; bytes per rank and step are 2 x n x block x 4 (the counting engine pins them).
+of the plan (a rank's own pieces of what it owns are copied in place, not sent); bytes per rank and step
+are 2 x n x block x 4 as the counting engine counts them (input, own block included), of which
+2 x (n - 1) x block x 4 leave the rank.
 The owner keeps its whole fp32 copy between steps instead of gathering values each step: one third
 less traffic for the memory of one more copy of the parameters it owns (its share, ~1/n of them).
 """
@@ -61,11 +63,13 @@ class OwnerCompute:
             data = torch.zeros(planned.shape if mine else (0,), dtype=torch.float32, device=device)
             leaf = nn.Parameter(data, requires_grad=piece.param.requires_grad)
             self.owned.append(_Owned(piece, planned.owner, view.member_ranges(piece), piece.shape, leaf))
-        # counts[s][d]: elements member s holds of the parameters member d owns; every rank agrees
+        # counts[s][d]: elements member s holds of the parameters member d owns; every rank agrees. A
+        # member's own pieces of what it owns never travel (copied in place), so the diagonal is not sent.
         counts = [[0] * n for _ in range(n)]
         for o in self.owned:
             for s, (_, length) in enumerate(o.ranges):
-                counts[s][o.owner] += length
+                if s != o.owner:
+                    counts[s][o.owner] += length
         self.block = max((c for row in counts for c in row), default=0)
         self._tp = tp
         self._seen_version = -1  # values never read yet
@@ -101,18 +105,24 @@ class OwnerCompute:
         n = self.group.size
         send = torch.zeros(n, self.block, dtype=torch.float32, device=self._device())
         fill = [0] * n
-        for o in self.owned:
-            if o.owner != self.me:
-                continue
-            flat = self._local_whole(o).reshape(-1)
-            for d, (start, length) in enumerate(o.ranges):
-                send[d, fill[d] : fill[d] + length] = flat[start : start + length]
-                fill[d] += length
-            o.leaf.grad = None  # the whole grad is this step's only
-        recv = self._all_to_all(send)
-        taken = [0] * n
         with torch.no_grad():
             for o in self.owned:
+                if o.owner != self.me:
+                    continue
+                flat = self._local_whole(o).reshape(-1)
+                for d, (start, length) in enumerate(o.ranges):
+                    if d == self.me:
+                        if length:
+                            self.view.main(o.piece).copy_(flat[start : start + length])
+                        continue
+                    send[d, fill[d] : fill[d] + length] = flat[start : start + length]
+                    fill[d] += length
+                o.leaf.grad = None  # the whole grad is this step's only
+            recv = self._all_to_all(send)
+            taken = [0] * n
+            for o in self.owned:
+                if o.owner == self.me:
+                    continue
                 start, length = o.ranges[self.me]
                 if length:
                     self.view.main(o.piece).copy_(recv[o.owner, taken[o.owner] : taken[o.owner] + length])
@@ -132,6 +142,8 @@ class OwnerCompute:
         fill = [0] * n
         for o in self.owned:
             _, length = o.ranges[self.me]
+            if o.owner == self.me:
+                continue  # read in place below
             if length:
                 mine = read(o.piece)  # type: ignore[operator]
                 if mine is not None:
@@ -144,8 +156,13 @@ class OwnerCompute:
             if o.owner != self.me:
                 out.append(None)
                 continue
-            whole = torch.empty(o.piece.shape, dtype=torch.float32, device=send.device).view(-1)
+            whole = torch.zeros(o.piece.shape, dtype=torch.float32, device=send.device).view(-1)
             for s, (start, length) in enumerate(o.ranges):
+                if s == self.me:
+                    mine = read(o.piece) if length else None  # type: ignore[operator]
+                    if mine is not None:
+                        whole[start : start + length] = mine.reshape(-1)
+                    continue
                 whole[start : start + length] = recv[s, taken[s] : taken[s] + length]
                 taken[s] += length
             out.append(whole.view(o.local_shape))
@@ -181,7 +198,7 @@ class OwnerCompute:
 
     def _all_to_all(self, send: torch.Tensor) -> torch.Tensor:
         recv = torch.empty_like(send)
-        if self.group.size == 1:
+        if self.group.size == 1 or self.block == 0:
             return send
         self.view.engine.all_to_all(recv.view(-1), send.view(-1), self.group)
         return recv
@@ -193,7 +210,7 @@ class OwnerCompute:
 
     def bytes_per_step(self) -> int:
         """The counting engine's all_to_all bytes of one step on this rank (values gathered not counted)."""
-        return 0 if self.group.size == 1 else 2 * self.group.size * self.block * 4
+        return 0 if self.group.size == 1 or self.block == 0 else 2 * self.group.size * self.block * 4
 
     def state_bytes(self, state: dict[object, dict[str, object]]) -> int:
         """Bytes of the optimizer state this rank holds for the parameters it owns."""

@@ -7,6 +7,7 @@ Parity: the same optimizer recipe on a single-process reference trained on the w
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 import shardpar as smp
 from shardpar.api.data import rdp_slice
+from shardpar.api.summary import owner_compute_lines
 from tests import models
 from tests.multiproc import parity, tp_cases
 
@@ -116,8 +118,16 @@ def owner_parity(
         theirs = ref.state_dict()
         diffs = {k: (ours[k] - theirs[k].float()).abs().max().item() for k in theirs}
         param = max(diffs.values())
-        owners = [oc for oc in opt.owners]
+        owners = list(opt.owners)
+        a2a = sum(v["bytes"] for (op, _), v in model.comm_stats().items() if op == "all_to_all")
+        # the shape-aware parameters' fp32 bytes as this TP rank holds them, and the exchange group's size
+        shape_aware = sum(4 * math.prod(o.piece.shape) for oc in owners for o in oc.owned)
         return {
+            "a2a_bytes": a2a,  # the counting engine's, last step (no values gathered: they were current)
+            "a2a_expected": sum(oc.bytes_per_step() for oc in owners),
+            "shape_aware_bytes": shape_aware,
+            "members": owners[0].group.size if owners else 0,
+            "summary": owner_compute_lines(opt),  # the wrap log's lines
             "loss": loss_diff,
             "param": param,
             "worst": max(diffs, key=diffs.__getitem__),

@@ -38,6 +38,13 @@ def test_shape_aware_optimizers_train_exactly_at_world_4(ranks) -> None:
         assert result["param"] <= PARAM_TOL, f"{label}: param diff {result['param']:.2e}"
         assert result["clipped"] == 1.0, f"{label}: clipping never engaged"
         assert result["planned"] > 0, f"{label}: nothing was stepped by an owner"
+        # one all_to_all each way, as planned; what leaves a rank ((n-1)/n of the counted input: its own
+        # block stays) within 2 x the shape-aware parameters' bytes x (n-1)/n
+        n = result["members"]
+        assert result["a2a_bytes"] == result["a2a_expected"] > 0, f"{label}: {result}"
+        leaving = result["a2a_bytes"] * (n - 1) / n
+        assert leaving <= 2 * result["shape_aware_bytes"] * (n - 1) / n, f"{label}: {result}"
+        assert "owner compute:" in result["summary"][0] and "rank 0 owns" in result["summary"][0], result["summary"]
     for i, (kind, name, knobs, _) in enumerate(PARITY):
         owned = sum(r[i]["owned"] for r in per_rank)
         # every owner-stepped parameter has exactly one owner per exchange group (and TP slice)
