@@ -197,14 +197,14 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         if clip_norm > 0:
             coef = coef * torch.clamp(clip_norm / (norm + 1e-6), max=1.0)
         if clip_norm > 0 or inv_scale != 1.0:
-            for grad in self.sharded_state.main_grads():
+            for grad in self.view.main_grads():
                 grad.mul_(coef)
         return norm[0]
 
     def step(self, closure: Any = None) -> Any:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure (the model is sharded)")
-        self.model.window.check_step()  # before anything changes
+        self.view.window.check_step()  # before anything changes
         # What the user did to the parameters' .grad since backward ([Note: user gradients],
         # runtime/user_params.py): a dropped grad is zeroed, so the norm below leaves it out too.
         dropped = self.model.user_params.sync()
@@ -214,7 +214,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         parts = local_grad_norm_squared(self.sharded_state, self.tp_splits)
         local_finite = torch.isfinite(parts).all()  # before the AllReduce overwrites them; no sync
         sq = reduce_grad_norm_squared(self.sharded_state, parts, self.tp_splits)
-        scale = self.model.window.loss_scale  # what this window's backwards multiplied the loss by
+        scale = self.view.window.loss_scale  # what this window's backwards multiplied the loss by
         # The only host sync of the step: an inf/nan on any rank makes the norm non-finite on every
         # rank alike, so each decides the skip the same way without talking.
         finite = bool(torch.isfinite(sq).all().item())
@@ -223,7 +223,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
             self.overflow = self.skipped = not finite
             self.loss_scaler.update(self.overflow)
             if self.overflow:
-                self.model.window.set_loss_scale(self.loss_scaler.loss_scale)
+                self.view.window.set_loss_scale(self.loss_scaler.loss_scale)
                 self._end_step()
                 return None
         elif not finite:
@@ -242,7 +242,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         self.view.refresh_compute()
         for owners in self.owners:
             owners.mark_values_current()
-        self.model.window.set_loss_scale(self.loss_scaler.loss_scale)
+        self.view.window.set_loss_scale(self.loss_scaler.loss_scale)
         self._end_step()
         return result
 
@@ -337,10 +337,10 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
             raise ValueError(f"clip_master_grads(norm_type={norm_type!r}): only the L2 norm (2.0) is supported")
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"clip_master_grads(max_norm={max_norm!r}) must be a number > 0")
-        norm = self.grad_norm_squared().sqrt() / self.model.window.loss_scale
+        norm = self.grad_norm_squared().sqrt() / self.view.window.loss_scale
         if bool(torch.isfinite(norm).all()):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s formula
-            for grad in self.sharded_state.main_grads():
+            for grad in self.view.main_grads():
                 grad.mul_(coef)
         self._clipped_by_user = True
         return norm[0]
@@ -372,7 +372,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
             warnings.warn(plan.warning, stacklevel=3)
         if plan.apply:
             self.loss_scaler.load_state_dict(saved)
-        self.model.window.set_loss_scale(self.loss_scaler.loss_scale)  # what model.backward multiplies by
+        self.view.window.set_loss_scale(self.loss_scaler.loss_scale)  # what model.backward multiplies by
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         raise ValueError("add_param_group after wrapping is not supported; build all groups before wrapping")
