@@ -50,7 +50,12 @@ from typing import Any
 
 from spawn_ranks import collect, free_port  # benchmarks/, on the path when run as a script
 
-FRAMEWORKS = ("shardpar", "fsdp2", "deepspeed", "plain", "shardpar-native", "shardpar-compile")
+FRAMEWORKS = (
+    "shardpar", "fsdp2", "deepspeed", "plain", "shardpar-native", "shardpar-compile", "shardpar-muon",
+    "shardpar-adafactor",
+)  # fmt: skip
+# shardpar-muon / -adafactor = shardpar stepping torch.optim.Muon (+AdamW for the rest) / Adafactor whole on
+# owner ranks (issue 31); the "shardpar / this" column is then AdamW's step time over theirs. Opt-in.
 # shardpar-native = shardpar on ddp_dist_backend "nccl" (gloo here), for the smddp-vs-native step;
 # shardpar-compile = shardpar under torch.compile (inductor; --warmup must cover the compilation). Opt-in.
 DEFAULT_FRAMEWORKS = FRAMEWORKS[:4]

@@ -85,9 +85,26 @@ def _init_gloo(case: Case) -> Callable[[], None]:
     return _destroy_gloo
 
 
-def setup_shardpar(case: Case, *, backend: str = "auto", compile: bool = False) -> tuple[Step, Callable[[], None]]:
+def make_optimizer(kind: str, model: torch.nn.Module) -> Any:
+    """AdamW; or torch.optim.Muon's recipe (Muon for the blocks' 2-D matrices, AdamW for embeddings, head,
+    norms and biases), or torch.optim.Adafactor: both stepped whole on owner ranks under shardpar."""
+    named = list(model.named_parameters())
+    if kind == "muon":
+        hidden = [p for n, p in named if p.dim() == 2 and ".layers." in n]  # GPT-NeoX's blocks
+        ids = {id(p) for p in hidden}
+        rest = [p for _, p in named if id(p) not in ids]
+        return [torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR)]
+    if kind == "adafactor":
+        return torch.optim.Adafactor(model.parameters(), lr=LR)
+    return torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def setup_shardpar(
+    case: Case, *, backend: str = "auto", compile: bool = False, optimizer: str = "adamw"
+) -> tuple[Step, Callable[[], None]]:
     """shardpar with its defaults; `backend` = ddp_dist_backend ("auto" is the smddp engine on CPU);
-    `compile`: torch.compile (inductor) of the wrapped model (the warm-up steps absorb the compilation)."""
+    `compile`: torch.compile (inductor) of the wrapped model (the warm-up steps absorb the compilation);
+    `optimizer`: make_optimizer's kind."""
     import shardpar as smp
 
     smp.init(
@@ -100,7 +117,7 @@ def setup_shardpar(case: Case, *, backend: str = "auto", compile: bool = False) 
         }
     )
     model = smp.DistributedModel(build_model(case.model, case.seq))
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR))
+    opt = smp.DistributedOptimizer(make_optimizer(optimizer, model))
     run = torch.compile(model) if compile else model
 
     def step(batch: Batch) -> torch.Tensor:
@@ -184,6 +201,8 @@ SETUPS = {
     "plain": setup_plain,
     "shardpar-native": functools.partial(setup_shardpar, backend="nccl"),  # gloo on CPU
     "shardpar-compile": functools.partial(setup_shardpar, compile=True),
+    "shardpar-muon": functools.partial(setup_shardpar, optimizer="muon"),  # owner compute (issue 31)
+    "shardpar-adafactor": functools.partial(setup_shardpar, optimizer="adafactor"),
 }
 
 

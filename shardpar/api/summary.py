@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardpar.config import Config
+from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
 
 _LOG = logging.getLogger("shardpar")
@@ -131,6 +132,26 @@ def log_wrap_summary(model: DistributedModel, engine_name: str) -> WrapSummary:
         if summary.nothing_sharded:
             _LOG.warning(summary.warning())
     return summary
+
+
+def owner_compute_lines(optimizer: DistributedOptimizer) -> list[str]:
+    """The wrap summary's part for an optimizer that is not element-wise: which ranks step which whole
+    parameters ([Note: owner compute], optim/owner_compute.py), balanced by work and bytes."""
+    lines = []
+    for oc in optimizer.owners:
+        mine = ", ".join(o.fqn for o in oc.plan.of(oc.me)[:4]) + (", ..." if len(oc.plan.of(oc.me)) > 4 else "")
+        lines.append(
+            f"{oc.plan.text()}; all_to_all {oc.bytes_per_step() / _MIB:.2f} MiB per step and rank; "
+            f"rank 0 owns {len(oc.plan.of(oc.me))}: {mine or 'none'}"
+        )
+    return lines
+
+
+def log_owner_compute(optimizer: DistributedOptimizer) -> None:
+    """INFO on rank 0 when smp.DistributedOptimizer wraps an optimizer that is not element-wise."""
+    if optimizer.model.topology.rank == 0:
+        for line in owner_compute_lines(optimizer):
+            _LOG.info(line)
 
 
 def engine_name(name: str, backend_knob: str) -> str:

@@ -14,7 +14,7 @@ from torch import nn
 
 from shardpar.api.context import _REGISTERED, _TP_MARKS, state
 from shardpar.api.same_model import check_same_model
-from shardpar.api.summary import engine_name, log_wrap_summary
+from shardpar.api.summary import engine_name, log_owner_compute, log_wrap_summary
 from shardpar.checkpoint.torch_state_dict import install as install_torch_state_dict
 from shardpar.optim.loss_scaling import make_loss_scaler
 from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
@@ -122,7 +122,7 @@ class DistributedOptimizer(_DistributedOptimizer):
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         static_loss_scale: float | None = 1.0,
         dynamic_loss_scale: bool = False,
         dynamic_loss_args: dict[str, Any] | None = None,
@@ -144,3 +144,4 @@ class DistributedOptimizer(_DistributedOptimizer):
             optimizer, model, clip_norm=st.config.sdp_gradient_clipping, loss_scaler=scaler, tp_splits=splits
         )
         st.optimizer = self
+        log_owner_compute(self)  # rank 0: which ranks step which whole parameters (not element-wise only)

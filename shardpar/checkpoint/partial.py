@@ -23,6 +23,7 @@ import torch
 
 from shardpar.checkpoint import atomic
 from shardpar.checkpoint import index as ix
+from shardpar.checkpoint.owned_state import collect_owned
 from shardpar.checkpoint.pieces import Slot, fqn_of_piece, persistent_buffers, piece_of, slots, split_state
 from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name, write_tensors
 from shardpar.optim.optimizer import DistributedOptimizer
@@ -60,10 +61,13 @@ def collect_rank_file(
     tensors: dict[str, torch.Tensor] = {}
     pieces: dict[str, list[int]] = {}
     state_meta: dict[str, dict[str, Any]] = {}
+    owned = {id(leaf) for _, leaf, _ in optimizer.owned_leaves()} if optimizer is not None else set()
     for slot in slots(model):
         if not writes(slot, coords):
             continue
         piece = piece_of(optimizer, slot.param) if optimizer is not None else None
+        if piece is not None and id(piece) in owned:
+            piece = None  # held whole by its owner: collect_owned below
         state = optimizer.optimizer.state.get(piece) if optimizer is not None and piece is not None else None
         per_element, scalars = split_state(slot, state) if state else ({}, {})
         if state:
@@ -76,6 +80,8 @@ def collect_rank_file(
             tensors[ix.param_key(slot.fqn)] = slot.value.reshape(-1)
             for k, v in per_element.items():
                 tensors[ix.state_key(k, slot.fqn)] = v.reshape(-1)
+    if optimizer is not None:
+        collect_owned(optimizer, coords, tensors, state_meta)
     if coords.rank == 0:
         for name, buf in persistent_buffers(model).items():
             tensors[ix.buffer_key(name)] = buf
@@ -209,7 +215,8 @@ class SaveJob:
 
     def _step(self) -> int | None:
         """The optimizer's step count where its state keeps one (`step`, as Adam does); informative."""
-        steps = [ix.decode(m["scalars"].get("step")) for rep in self.reports for m in rep["state"].values()]
+        metas = [m.get("owned", m) for rep in self.reports for m in rep["state"].values()]  # owned_state.py's
+        steps = [ix.decode(m["scalars"].get("step")) for m in metas]
         numbers = [float(s) for s in steps if isinstance(s, (int, float, torch.Tensor)) and not isinstance(s, bool)]
         return int(max(numbers)) if numbers else None
 

@@ -25,6 +25,8 @@ import torch
 from safetensors import safe_open
 
 from shardpar.checkpoint import index as ix
+from shardpar.checkpoint.owned_state import PREFIX as OWNED
+from shardpar.checkpoint.owned_state import load_owned, owned_files
 from shardpar.checkpoint.pieces import Slot, buffer_shape_problems, fqn_of_piece, persistent_buffers, piece_of, slots
 from shardpar.checkpoint.placement import Cut, Segment, assemble, plan_fetch, reads
 from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, dtype_of, misfit, verify_share
@@ -150,7 +152,7 @@ class LoadJob:
             kind, _, rest = key.partition("/")
             if kind == "param":
                 return rest in fqns
-            if kind == "optim":
+            if kind in ("optim", OWNED):
                 return optimizer and rest.partition("/")[2] in fqns
             if kind == "buffer":
                 return rest in buffers
@@ -198,6 +200,8 @@ class LoadJob:
                 needed |= reader.files_for(s.fqn, s.cut, s.tp_rank, s.start, s.length)
         if self.restores_rng:
             needed.add(self.index["rng"]["file"])
+        if self.optimizer is not None and self.load_optimizer:
+            needed |= owned_files(self.index, self.optimizer)
         return needed
 
     def apply(self) -> Any:
@@ -230,10 +234,16 @@ class LoadJob:
             group.update({k: v for k, v in ix.decode(entry["options"]).items() if k != "params"})
         state = optimizer.optimizer.state
         state.clear()
+        whole = load_owned(reader.tensor, self.index, optimizer, state, f"{self.directory}: optimizer")
         for s in slots(self.model):
             meta, piece = saved["state"].get(s.fqn), piece_of(optimizer, s.param)
-            if meta is None or piece is None:
+            if meta is None or piece is None or s.fqn in whole:
                 continue
+            if "tensors" not in meta:
+                raise CheckpointError(
+                    f"{self.directory}: optimizer: {s.fqn!r} was saved stepped whole by an owner and is stepped "
+                    "piecewise now; resume with the optimizer it was saved with"
+                )
             entry = {k: ix.decode(v, device=piece.device) for k, v in meta["scalars"].items()}
             for k, dtype in meta["tensors"].items():
                 flat = reader.read_slot(f"optim/{k}", s, dtype_of(dtype))

@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 
 from shardpar.checkpoint import dcp_state_dict
+from shardpar.optim.chained import OptimizerList
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.shard_layout import ShardLayout
@@ -77,6 +78,13 @@ def _inner(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, Dis
             break
         seen = wrapped
     if isinstance(seen, DistributedOptimizer):
+        if seen.owners or isinstance(seen.optimizer, OptimizerList):
+            raise ValueError(
+                f"torch.distributed.checkpoint.state_dict's optimizer state of {seen.optimizer!r}: an optimizer "
+                "that is not element-wise keeps each parameter's state whole on one owner rank (and a list of "
+                "optimizers has no single torch state dict); save and resume it with smp.save_checkpoint / "
+                "smp.resume_from_checkpoint, which reshard it"
+            )
         return seen.optimizer, seen
     return seen, None  # a plain torch optimizer over model.parameters(): it steps the ShardedTensors
 

@@ -81,7 +81,10 @@ CPU_FRAMEWORK_BYTES = 350 * 2**20
 # the optimizer (libtorch_cpu.so's resident pages grow by ~22 MiB, /proc/self/smaps).
 CPU_STEP_CODE_BYTES = 24 * 2**20
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0}
+# fp32 bytes per stepped element. Owner compute (muon, adafactor: cli/owner_estimate.py) adds the owner's
+# whole fp32 copy of what it owns, ~4 per element on average: Muon's momentum (AdamW's two moments for
+# the rest) + 4; Adafactor's factored statistics are ~0 per element, so its 4 is the copy.
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0, "muon": 8, "adafactor": 4}
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,10 @@ def estimate(args: argparse.Namespace) -> int:
         print_estimate(args, shape, setup, world)
     if args.sdp:
         print(est.format_estimate(est.estimate(shape, setup)))
+        if args.optimizer in ("muon", "adafactor"):
+            from shardpar.cli.owner_estimate import format_owner_plan
+
+            print(format_owner_plan(shape, setup))
         return 0
     return _recommend(est, shape, setup, world)
 
@@ -340,7 +344,9 @@ def _estimate_parser(sub: Any) -> None:
         "--activation-loading-horizon", type=_COUNT, default=4, help="with offloading: checkpoints reloaded ahead"
     )
     e.add_argument("--eager-attention", action="store_true", help="attention keeps the s x s scores")
-    e.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd-momentum", "sgd"))
+    e.add_argument(
+        "--optimizer", default="adamw", choices=("adamw", "adam", "sgd-momentum", "sgd", "muon", "adafactor")
+    )
     e.add_argument("--max-live-parameters", type=_at_least(1, kind=float), default=1e9)
     e.add_argument("--reduce-bucket-size", type=_at_least(1, kind=float), default=5e8)
     e.add_argument("--persistence-threshold", type=_at_least(0, kind=float), default=1e6)

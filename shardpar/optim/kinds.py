@@ -1,18 +1,20 @@
-"""Which optimizers DistributedOptimizer can step exactly on this rank's pieces ([Note: how the
-optimizer sees the shards] in optimizer.py).
+"""How DistributedOptimizer steps an optimizer ([Note: how the optimizer sees the shards] in
+optimizer.py):
 
   element-wise (torch.optim's SGD, Adam, AdamW, ...): every update element depends only on the same
-      element of the parameter, its gradient and its state -> plain 1-D pieces, full speed;
-  shape-aware ones we know (Adafactor's row/column statistics, Shampoo/SOAP preconditioners, Muon's
-      orthogonalisation, GaLore projections, bitsandbytes' block-quantized state): their maths needs
-      the whole parameter, which no rank holds -> refused at construction, naming what to use;
-  anything else: stepped on the global-shape user parameters, where element-wise maths and whole-tensor
-      norms are exact (LAMB, LARS, Lion, ...) and any other op raises before it computes.
+      element of the parameter, its gradient and its state -> plain 1-D pieces of this rank's shards,
+      full speed, no communication;
+  anything else (Muon, Adafactor, Shampoo/SOAP, bitsandbytes' 8-bit, LAMB, an optimizer we have never
+      seen): each sharded parameter stepped whole on one owner rank ([Note: owner compute] in
+      owner_compute.py) -- exact for any maths, at the cost of an all_to_all each way;
+  LBFGS (needs a closure) and SparseAdam (needs sparse gradients): refused.
 """
 
 from __future__ import annotations
 
 import torch
+
+from shardpar.optim.ownership import kind_of
 
 _ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -28,41 +30,13 @@ _ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Rprop,
 )
 
-# Class names (any class in the optimizer's MRO) -> why the maths needs whole parameters.
-_SHAPE_AWARE = {
-    "Adafactor": "factors its second moment into row and column statistics of each weight matrix",
-    "Shampoo": "preconditions each weight with matrices built from its full shape",
-    "DistributedShampoo": "preconditions each weight with matrices built from its full shape",
-    "SOAP": "preconditions each weight with matrices built from its full shape",
-    "Muon": "orthogonalises each weight's update as a whole matrix (Newton-Schulz)",
-    "GaLoreAdamW": "projects each weight's gradient onto a low-rank basis of the whole matrix",
-    "GaLoreAdafactor": "projects each weight's gradient onto a low-rank basis of the whole matrix",
-    "Adam8bit": "quantizes its state in blocks laid over the whole flattened tensor",
-    "AdamW8bit": "quantizes its state in blocks laid over the whole flattened tensor",
-    "PagedAdam8bit": "quantizes its state in blocks laid over the whole flattened tensor",
-    "PagedAdamW8bit": "quantizes its state in blocks laid over the whole flattened tensor",
-    "Lion8bit": "quantizes its state in blocks laid over the whole flattened tensor",
-    "SGD8bit": "quantizes its state in blocks laid over the whole flattened tensor",
-}
-
-_INSTEAD = (
-    "use an element-wise optimizer (torch.optim.AdamW, Adam, SGD, ...), or one whose only whole-tensor maths "
-    "is a norm (LAMB, LARS, Lion), which DistributedOptimizer steps exactly"
-)
+_INSTEAD = "use any other torch.optim optimizer: element-wise ones step pieces, all others step whole parameters"
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """True: element-wise, step plain pieces. False: step the user parameters. Raises ValueError for a
-    shape-aware optimizer whose maths would silently differ on pieces."""
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what cannot run under DistributedOptimizer at all (TypeError / ValueError)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"smp.DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    for cls in type(optimizer).__mro__:
-        why = _SHAPE_AWARE.get(cls.__name__)
-        if why is not None:
-            raise ValueError(
-                f"{type(optimizer).__module__}.{type(optimizer).__name__} cannot be sharded exactly: it {why}, and "
-                f"with sharded data parallelism each rank holds only a piece of every parameter; {_INSTEAD}"
-            )
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "torch.optim.LBFGS needs a closure that re-evaluates the model, which DistributedOptimizer.step "
@@ -70,5 +44,14 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
         )
     if isinstance(optimizer, torch.optim.SparseAdam):
         raise ValueError(f"torch.optim.SparseAdam needs sparse gradients; shardpar's are dense. {_INSTEAD}")
-    # Exactly these classes: a subclass may override step() with other maths.
+
+
+def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Exactly these classes: a subclass may override step() with other maths, and an unknown class is
+    stepped whole on an owner, which is exact for any optimizer."""
     return type(optimizer) in _ELEMENTWISE
+
+
+def owner_kind(optimizer: torch.optim.Optimizer) -> str:
+    """The cost model ownership.py balances an owner-stepped optimizer's parameters by."""
+    return kind_of(type(optimizer).__name__)

@@ -1,10 +1,10 @@
 """DistributedOptimizer: any torch.optim optimizer, re-pointed at this rank's fp32 main shards.
 
-Each original parameter of a param group is replaced by its *main piece*: a leaf tensor aliasing
-this rank's slice of the unit's fp32 main shard (possibly empty), whose `.grad` aliases the same
-slice of the unit's main grad. Element-wise optimizers (SGD, Adam, AdamW, ...) therefore update
-exactly the elements a single-process run would, and param groups, hyperparameters and LR schedulers
-keep working on the same optimizer object. Persistent parameters are stepped as they are.
+Each original parameter of a param group is replaced by the leaf the optimizer steps for it ([Note:
+how the optimizer sees the shards] below), so param groups, hyperparameters and LR schedulers keep
+working on the same optimizer object. A list of optimizers (Muon for the matrices, AdamW for the rest)
+is stepped as one (chained.py). The model's state is reached through one interface, OptimizerState
+(sharded_state.py).
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardpar.optim.chained import OptimizerList
 from shardpar.optim.clipping import KNOB, Clipping
 from shardpar.optim.grad_norm import grad_norm_squared, local_grad_norm_squared, reduce_grad_norm_squared
-from shardpar.optim.kinds import check_optimizer
+from shardpar.optim.kinds import check_optimizer, is_elementwise, owner_kind
 from shardpar.optim.loss_scaling import LossScaler, ScalerResume, StaticLossScaler, plan_scaler_resume
 from shardpar.optim.nonfinite import NonFiniteGuard, gather_culprits
 from shardpar.optim.nonfinite import log as nonfinite_log
 from shardpar.optim.optimizer_v1 import OptimizerV1Mixin
+from shardpar.optim.owner_compute import OwnerCompute
+from shardpar.optim.sharded_state import OptimizerState
 from shardpar.precision import precision_name
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.state import Piece
@@ -39,7 +42,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...],
         model: DistributedModel,
         *,
         clip_norm: float,
@@ -59,10 +62,15 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
                 "TP split table (tp_splits=tensor_parallel.tp_split_table(model.module)); smp.DistributedOptimizer "
                 "passes it"
             )
-        self._plain_pieces = check_optimizer(optimizer)  # refuses the shape-aware ones it knows
-        self.optimizer = optimizer
+        if isinstance(optimizer, (list, tuple)):
+            optimizer = OptimizerList(optimizer)
+        inner = optimizer.optimizers if isinstance(optimizer, OptimizerList) else [optimizer]
+        for o in inner:
+            check_optimizer(o)  # LBFGS, SparseAdam
+        self.optimizer: torch.optim.Optimizer = optimizer
         self.model = model
         self.sharded_state = model.sharded_state
+        self.view = OptimizerState(model, tp_splits)
         self._clipped_by_user = False  # clip_master_grads ran in this window: step() does not clip again
         self._clipping = Clipping(clip_norm, clip_owner)
         self.tp_splits = tp_splits
@@ -75,28 +83,40 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         model.window.set_loss_scale(self.loss_scaler.loss_scale)
         self._main_piece: dict[int, torch.Tensor] = {}  # leaf stepped for a compute or user parameter id
         self._grad_slots: list[tuple[torch.Tensor, Piece]] = []  # (main piece, where it lies) of trainable params
-        self._build_pieces()
+        self.owners: list[OwnerCompute] = []  # one per optimizer that is not element-wise
+        self._build_pieces(inner)
         self._repoint_groups()
         self.last_grad_norm: torch.Tensor | None = None
 
-    def _build_pieces(self) -> None:
+    def _build_pieces(self, inner: list[torch.optim.Optimizer]) -> None:
         """[Note: how the optimizer sees the shards]
         An element-wise optimizer (optim/kinds.py) steps plain 1-D leaves aliasing this rank's pieces of
-        the main shards: foreach kernels, no dispatch in between. Any other optimizer steps the user
-        parameters themselves (ShardedTensors with the global shape, runtime/sharded_tensor.py), so
-        element-wise maths and whole-tensor norms (LAMB's trust ratio) are exact and anything
-        shape-dependent raises instead of computing on a piece; known shape-aware ones are refused
-        before this is reached."""
+        the main shards: foreach kernels, no dispatch in between, no communication. Any other optimizer
+        steps each sharded parameter whole on one owner rank ([Note: owner compute], owner_compute.py):
+        its leaf is the whole parameter there and empty elsewhere. Persistent parameters are whole on
+        every rank: every rank steps them as they are, whatever the optimizer."""
         state, user_params = self.sharded_state, self.model.user_params
-        for where, user in zip(state.pieces, user_params.user, strict=True):
-            p = where.param
-            piece: torch.Tensor = (
-                nn.Parameter(state.main(where), requires_grad=p.requires_grad) if self._plain_pieces else user
-            )
+        user_of = {id(where.param): u for where, u in zip(state.pieces, user_params.user, strict=True)}
+        for o in inner:
+            if is_elementwise(o):
+                continue
+            ids = {id(p) for g in o.param_groups for p in g["params"]}
+            whole = [
+                w
+                for w in state.pieces
+                if w.sharded and not w.frozen and (id(w.param) in ids or id(user_of[id(w.param)]) in ids)
+            ]
+            self.owners.append(OwnerCompute(self.view, whole, owner_kind(o)))
+        owned = {k: v for oc in self.owners for k, v in oc.leaves().items()}
+        for where in state.pieces:
+            p, user = where.param, user_of[id(where.param)]
+            piece = owned.get(id(p))
+            if piece is None:
+                piece = nn.Parameter(state.main(where), requires_grad=p.requires_grad)
+                if p.requires_grad:
+                    self._grad_slots.append((piece, where))
             self._main_piece[id(p)] = piece
             self._main_piece[id(user)] = piece
-            if p.requires_grad:
-                self._grad_slots.append((piece, where))
 
     def _repoint_groups(self) -> None:
         if self.optimizer.state:
@@ -120,12 +140,11 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
     def _attach_grads(self, dropped: set[int]) -> None:
         """Point each stepped leaf's .grad at its main grad; None for a parameter without a gradient in
         the window ([Note: unused params] in model.py) or whose user grad was dropped (`dropped`)."""
-        skip = self.model.unused_params | dropped
+        skip = self.view.without_grad(dropped)
         for piece, where in self._grad_slots:
-            if self._plain_pieces:
-                piece.grad = None if id(where.param) in skip else self.sharded_state.grad(where)
-            elif id(where.param) in skip:
-                piece.grad = None
+            piece.grad = None if id(where.param) in skip else self.view.grad(where)
+        for owners in self.owners:
+            owners.gather(skip)  # after the clip: the owners see the clipped gradients
 
     # ---- clipping ([Note: clipping belongs to the user's front end], clipping.py) ---------------
 
@@ -178,14 +197,14 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         if clip_norm > 0:
             coef = coef * torch.clamp(clip_norm / (norm + 1e-6), max=1.0)
         if clip_norm > 0 or inv_scale != 1.0:
-            for grad in self.sharded_state.main_grads():
+            for grad in self.view.main_grads():
                 grad.mul_(coef)
         return norm[0]
 
     def step(self, closure: Any = None) -> Any:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure (the model is sharded)")
-        self.model.window.check_step()  # before anything changes
+        self.view.window.check_step()  # before anything changes
         # What the user did to the parameters' .grad since backward ([Note: user gradients],
         # runtime/user_params.py): a dropped grad is zeroed, so the norm below leaves it out too.
         dropped = self.model.user_params.sync()
@@ -195,7 +214,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         parts = local_grad_norm_squared(self.sharded_state, self.tp_splits)
         local_finite = torch.isfinite(parts).all()  # before the AllReduce overwrites them; no sync
         sq = reduce_grad_norm_squared(self.sharded_state, parts, self.tp_splits)
-        scale = self.model.window.loss_scale  # what this window's backwards multiplied the loss by
+        scale = self.view.window.loss_scale  # what this window's backwards multiplied the loss by
         # The only host sync of the step: an inf/nan on any rank makes the norm non-finite on every
         # rank alike, so each decides the skip the same way without talking.
         finite = bool(torch.isfinite(sq).all().item())
@@ -204,7 +223,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
             self.overflow = self.skipped = not finite
             self.loss_scaler.update(self.overflow)
             if self.overflow:
-                self.model.window.set_loss_scale(self.loss_scaler.loss_scale)
+                self.view.window.set_loss_scale(self.loss_scaler.loss_scale)
                 self._end_step()
                 return None
         elif not finite:
@@ -218,8 +237,12 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         self.last_grad_norm = self._unscale_and_clip(sq, scale, clip_norm)
         self._attach_grads(dropped)
         result = self.optimizer.step()
-        self.sharded_state.refresh_compute()
-        self.model.window.set_loss_scale(self.loss_scaler.loss_scale)
+        for owners in self.owners:
+            owners.scatter()
+        self.view.refresh_compute()
+        for owners in self.owners:
+            owners.mark_values_current()
+        self.view.window.set_loss_scale(self.loss_scaler.loss_scale)
         self._end_step()
         return result
 
@@ -259,9 +282,15 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         self.sharded_state.clear_grads(set_to_none=set_to_none)
         if set_to_none:
             self.model.user_params.clear_grads()
-        if self._plain_pieces:
-            for piece, _ in self._grad_slots:
-                piece.grad = None
+        for piece, _ in self._grad_slots:
+            piece.grad = None
+        for owners in self.owners:
+            for leaf in owners.leaves().values():
+                leaf.grad = None
+
+    def owned_leaves(self) -> list[tuple[str, nn.Parameter, bool]]:
+        """(fqn, leaf, whether this rank owns it) of every parameter stepped whole on an owner."""
+        return [(o.piece.fqn, o.leaf, o.owner == oc.me) for oc in self.owners for o in oc.owned]
 
     def main_piece(self, p: torch.Tensor) -> torch.Tensor | None:
         """The leaf the inner optimizer steps for original parameter `p` (its local main shard)."""
@@ -308,10 +337,10 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
             raise ValueError(f"clip_master_grads(norm_type={norm_type!r}): only the L2 norm (2.0) is supported")
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"clip_master_grads(max_norm={max_norm!r}) must be a number > 0")
-        norm = self.grad_norm_squared().sqrt() / self.model.window.loss_scale
+        norm = self.grad_norm_squared().sqrt() / self.view.window.loss_scale
         if bool(torch.isfinite(norm).all()):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s formula
-            for grad in self.sharded_state.main_grads():
+            for grad in self.view.main_grads():
                 grad.mul_(coef)
         self._clipped_by_user = True
         return norm[0]
@@ -343,7 +372,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
             warnings.warn(plan.warning, stacklevel=3)
         if plan.apply:
             self.loss_scaler.load_state_dict(saved)
-        self.model.window.set_loss_scale(self.loss_scaler.loss_scale)  # what model.backward multiplies by
+        self.view.window.set_loss_scale(self.loss_scaler.loss_scale)  # what model.backward multiplies by
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         raise ValueError("add_param_group after wrapping is not supported; build all groups before wrapping")

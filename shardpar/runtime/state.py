@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardpar.collectives import Engine
+from shardpar.collectives import Engine, Group
 from shardpar.runtime import unit_values
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.replica_shard import ReplicaShard
 from shardpar.runtime.unit import Unit
+from shardpar.sharding.layout import ParamSlice, owned_layout
 from shardpar.topology import Topology
 
 
@@ -78,6 +79,9 @@ class ShardedState:
         self._piece_of: dict[int, Piece] = {id(p.param): p for p in self.pieces}
         self._user_of: dict[int, torch.Tensor] = {}  # id(compute parameter) -> its user parameter
         self.main_written = False  # see mark_written
+        # Bumped whenever main values may have changed other than by an owner step (a step of the
+        # pieces, a load, a user write): owner compute re-reads the values it keeps whole then.
+        self.values_version = 0
         # shard_optimizer_state: the units' grads are disjoint over the rdp group, not only the sharding group.
         self.replica_sharded = any(u.replica is not None for u in units)
         # ... and under bf16/fp16 no rank has a unit's full fp32 values without the other replicas.
@@ -141,11 +145,29 @@ class ShardedState:
             blocks.append(GradBlock(self._persistent.main_grad, True, self._persistent_pieces))
         return blocks
 
+    # ---- owner compute ([Note: owner compute], optim/owner_compute.py) ---------------------------
+
+    def exchange_group(self) -> Group:
+        """The ranks whose pieces of a sharded parameter together make it whole: the sharding group, or
+        with shard_optimizer_state the rdp group (the sharding group x its replicas)."""
+        return self.topology.rdp if self.replica_sharded else self.topology.sharding
+
+    def member_ranges(self, piece: Piece) -> list[tuple[int, int]]:
+        """(start, length) of `piece`'s parameter held by each member of `exchange_group()`, in its order."""
+        unit = self._units[piece.unit]
+        if not self.replica_sharded:
+            return [_range(unit.layout.slices(m), piece.pos) for m in range(unit.layout.num_shards)]
+        sdp, replicas = unit.layout.num_shards, self.topology.replication.size
+        owned = owned_layout(unit.layout, replicas)
+        # rdp position q is replica q // sdp at sharding position q % sdp ([Note: replica-sharded main])
+        return [_range(owned.slices((q % sdp) * replicas + q // sdp), piece.pos) for q in range(sdp * replicas)]
+
     # ---- after a step, between steps ----------------------------------------------------------
 
     def refresh_compute(self) -> None:
         """After the fp32 main values changed (a step, a load): update the compute-dtype copies."""
         self.main_written = False
+        self.values_version += 1
         for unit in self._units:
             unit.refresh_compute()
         self._persistent.refresh_compute()
@@ -154,6 +176,7 @@ class ShardedState:
         """Main values were written outside an optimizer step (a plain torch optimizer on the user
         parameters, `p.data = ...`): the compute copies refresh before the next forward."""
         self.main_written = True
+        self.values_version += 1
 
     def refresh_if_written(self) -> None:
         """Before a forward: refresh after `mark_written`. Every rank runs the same writes (each rank's
@@ -214,6 +237,7 @@ class ShardedState:
 
     def load_full_values(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set the parameters `values` names (by piece name, full size; every rank passes the same)."""
+        self.values_version += 1
         for unit, pieces in zip(self._units, self._unit_pieces, strict=True):
             unit_values.load_full_params(unit, {p.fqn: values[p.fqn] for p in pieces if p.fqn in values})
         self._persistent.load({p.fqn: values[p.fqn] for p in self._persistent_pieces if p.fqn in values})
@@ -243,6 +267,10 @@ class ShardedState:
             for p in self.pieces:
                 self.main(p).copy_(values[p.fqn])
         self.refresh_compute()
+
+
+def _range(slices: tuple[ParamSlice, ...], pos: int) -> tuple[int, int]:
+    return slices[pos].param_start, slices[pos].length
 
 
 def _stepped_grad(unit: Unit) -> torch.Tensor | None:

@@ -146,8 +146,9 @@ class TrustRatioSGD(torch.optim.Optimizer):
 
 
 def optimizer_kinds_case() -> dict[str, Any]:
-    """A norm-based optimizer through DistributedOptimizer trains exactly; Adafactor is refused at
-    DistributedOptimizer, and raises at its first op on the plain parameters, leaving them unchanged."""
+    """A norm-based optimizer through DistributedOptimizer trains exactly; Adafactor is stepped whole on
+    owners by DistributedOptimizer (issue 31; its parity: test_owner_compute.py), LBFGS is refused, and
+    Adafactor raises at its first op on the plain parameters, leaving them unchanged."""
     from transformers.optimization import Adafactor
 
     smp.init(dict(SHARD))
@@ -166,11 +167,13 @@ def optimizer_kinds_case() -> dict[str, Any]:
             ref_opt.step()
             ref_opt.zero_grad()
         out: dict[str, Any] = {"trust_ratio_param": _max_diff(model.state_dict(), ref.state_dict())}
+        wrapped = smp.DistributedOptimizer(Adafactor(model.parameters(), lr=1e-3, relative_step=False))
+        out["adafactor_owned"] = sum(len(oc.plan.owned) for oc in wrapped.owners)  # stepped whole on owners
         try:
-            smp.DistributedOptimizer(Adafactor(model.parameters(), lr=1e-3, relative_step=False))
-            out["adafactor_wrapped"] = "no error"
+            smp.DistributedOptimizer(torch.optim.LBFGS(model.parameters()))
+            out["lbfgs_wrapped"] = "no error"
         except ValueError as e:
-            out["adafactor_wrapped"] = str(e)
+            out["lbfgs_wrapped"] = str(e)
         before = model.state_dict()
         model(**_mine(models.lm_batch(5, 2 * world), rank)).loss.backward()
         plain = Adafactor(model.parameters(), lr=1e-3, relative_step=False)
