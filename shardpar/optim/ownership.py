@@ -1,5 +1,5 @@
 """Which rank steps each whole parameter of a shape-aware optimizer ([Note: owner compute] in
-docs/owner-compute.md and owner_compute.py): a greedy balance of the optimizer's work and memory.
+docs/design.md section 17 and owner_compute.py): a greedy balance of the optimizer's work and memory.
 
 Pure arithmetic on shapes, so `shardpar estimate` and the wrap-time log print the same plan the
 optimizer runs, and every rank computes the same plan without talking.
