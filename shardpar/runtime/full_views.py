@@ -12,8 +12,9 @@ tensor parallelism, or it writes pieces (issue 20: every tensor of shape [0], a 
     (that is what it asks for; shardpar's own code reads the module that way and gathers nothing);
   * `module.save_pretrained(...)` (also reached as `model.save_pretrained`) gathers that state dict on
     every rank, lets rank 0 alone write (`is_main_process`), and returns on every rank once the files
-    are there (a barrier). transformers already writes from rank 0 only; PEFT would let every rank write
-    the same files at once.
+    are there (a barrier). transformers already writes from rank 0 only; PEFT would let every rank
+    write the same files at once. A PEFT model's gathers only its adapter's entries, never the frozen
+    base (peft_state.py): PEFT writes those alone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardpar.runtime.peft_state import adapter_state_dict, is_peft_model
 from shardpar.runtime.sharded_tensor import ShardedTensor
 from shardpar.runtime.state_dict import TPLayout
 
@@ -78,8 +80,8 @@ def wrap_save_pretrained(module: nn.Module, *, is_rank0: bool, barrier: Callable
 
     @functools.wraps(original)
     def save_pretrained(save_directory: Any, *args: Any, is_main_process: bool = True, **kwargs: Any) -> Any:
-        if kwargs.get("state_dict") is None:
-            kwargs["state_dict"] = module.state_dict()  # full, gathered on every rank
+        if kwargs.get("state_dict") is None:  # full, gathered on every rank; a PEFT model's adapter alone
+            kwargs["state_dict"] = adapter_state_dict(module) if is_peft_model(module) else module.state_dict()
         try:
             return original(save_directory, *args, is_main_process=bool(is_main_process) and is_rank0, **kwargs)
         finally:
