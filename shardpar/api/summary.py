@@ -94,10 +94,15 @@ def summarize(model: DistributedModel, engine_name: str) -> WrapSummary:
     tensors: list[torch.Tensor | None] = [persistent.main, persistent.compute]
     for u in model.units:
         tensors += [u.main_shard, u._compute_shard, getattr(u.replica, "main", None)]
+        if u.frozen is not None:  # frozen parameters: their own shard, and its compute copy where kept
+            tensors += [u.frozen.shard, u.frozen._compute]
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.numel():
             held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    stepped = sum(piece.length for piece in model.sharded_state.pieces)
+    # a frozen parameter has no gradient and no optimizer state ([Note: frozen shards]); the persistent
+    # ones still get a slot of the flat persistent main grad
+    stepped = sum(piece.length for piece in model.sharded_state.pieces if not piece.frozen)
+    frozen = [s for u in model.units if u.frozen is not None for s in u.frozen.layout.specs]
     compute = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
     return WrapSummary(
         world=topo.plan.world,
@@ -107,8 +112,8 @@ def summarize(model: DistributedModel, engine_name: str) -> WrapSummary:
         engine=engine_name,
         units=len(model.units),
         unit_names=tuple(u.name for u in model.units),
-        sharded_tensors=sum(len(u.layout.specs) for u in model.units),
-        sharded_elements=sum(s.numel for u in model.units for s in u.layout.specs),
+        sharded_tensors=sum(len(u.layout.specs) for u in model.units) + len(frozen),
+        sharded_elements=sum(s.numel for u in model.units for s in u.layout.specs) + sum(s.numel for s in frozen),
         whole_tensors=len(persistent.params),
         whole_elements=int(persistent.main.numel()),
         largest_whole=max((p.numel() for p in persistent.params), default=0),

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import shardpar as smp
+from shardpar.api.summary import summarize
 from tests import models
 from tests.multiproc.frozen_cases import lora
 
@@ -77,6 +78,10 @@ def adapter_checkpoint_case(root: str, sdp_save: int, sdp_resume: int) -> dict[s
     out: dict[str, Any] = {}
     ckpt = Path(root) / "ckpt"
     model, opt = _wrap(sdp_save)
+    summary = summarize(model, "-")  # the frozen base counts as sharded: no "nothing is sharded" warning
+    threshold = KNOBS["sdp_param_persistence_threshold"]
+    big = sum(1 for p in lora_model().parameters() if p.numel() >= threshold)  # all frozen: adapters are small
+    out["summary"] = (summary.sharded_tensors, big, summary.nothing_sharded)
     for step in range(2):
         _step(model, opt, step)
     smp.save_checkpoint(str(ckpt), tag="t", model=model, optimizer=opt)

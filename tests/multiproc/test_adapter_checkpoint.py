@@ -25,6 +25,8 @@ def test_adapter_only_checkpoint_resumes_at_another_sdp_and_refuses_another_base
     assert all("lora_" in fqn for fqn in index["params"]), sorted(index["params"])[:4]
     assert all(len(e["checksums"]) == 1 for e in index["frozen"].values())
     for r in results:
+        sharded, frozen_big, nothing_sharded = r["summary"]  # the wrap summary counts the sharded frozen base
+        assert sharded == frozen_big > 0 and not nothing_sharded, r["summary"]
         # resumed at sdp 1 (2 replicas) from sdp 2: every weight (the base from the user's model, the
         # adapters from the checkpoint) and the Adam state equal bit for bit, and so is the next step
         assert r["optimizer_tensors"] > 0 and r["resume_diff"] == 0.0, r["resume_diff"]
