@@ -24,6 +24,8 @@ from typing import Any
 from shardpar.config_v1 import ALIASES, NO_EFFECT, split_v1_keys
 
 ENGINE_CHOICES = ("auto", "nccl", "smddp")
+# How the parameters frozen at wrap time are held and gathered (runtime/frozen.py; issue 33 item 2).
+FROZEN_BASE_MODES = ("gather", "keep_gathered", "int8", "nf4")
 SMDDP_BUFFER_ALIGN = 8192
 
 # Keys a SageMaker smp_options dict carries that mean nothing here but must not be rejected:
@@ -80,6 +82,12 @@ class Config:
         "spanning groups: a unit keeps its node's secondary shard (nodes x its shard, compute dtype) from its first "
         "cross-node AllGather until the optimizer step; every later gather of the step stays inside the node",
     )
+    sdp_frozen_base_mode: str = _knob(
+        "gather",
+        "parameters frozen at wrap time (PEFT's base): gather (AllGathered per use) | keep_gathered (gathered once "
+        "a step, kept to the optimizer step, where it fits) | int8 | nf4 (stored and AllGathered block-quantized, "
+        "dequantized per use; lossy)",
+    )
     sdp_gradient_clipping: float = _knob(1.0, "global L2 max norm applied in optimizer.step(); 0 = off", minimum=0)
     fp16: bool = _knob(False, "fp16 compute with loss scaling")
     bf16: bool = _knob(False, "bf16 compute")
@@ -105,6 +113,14 @@ class Config:
         minimum=0,
         exclusive=True,
         maximum=1e6,  # the shm transport's limit (MAX_TIMEOUT_S in shm_transport.c): checked here, not at a first call
+    )
+    collective_entry_timeout_s: float = _knob(
+        30.0,
+        "seconds a gathering call (model.state_dict(), save_pretrained, smp.save_checkpoint, smp.barrier()) waits "
+        "for every rank to call it too before it raises, naming the ranks missing ([Note: collective entry])",
+        minimum=0,
+        exclusive=True,
+        maximum=1e6,
     )
     sdp_max_nonfinite_steps: int = _knob(
         3,
@@ -205,6 +221,12 @@ class Config:
             raise ValueError(
                 f"ddp_dist_backend={self.ddp_dist_backend!r} is not one of {ENGINE_CHOICES}; "
                 "use 'auto' (smddp where supported), 'nccl' (native torch.distributed) or 'smddp'"
+            )
+        if self.sdp_frozen_base_mode not in FROZEN_BASE_MODES:
+            raise ValueError(
+                f"sdp_frozen_base_mode={self.sdp_frozen_base_mode!r} is not one of {FROZEN_BASE_MODES}; use 'gather' "
+                "(the default: a frozen unit is AllGathered per use), 'keep_gathered' (once a step, memory "
+                "permitting), or 'int8' / 'nf4' (a block-quantized frozen base, lossy)"
             )
         if self.sdp_reduce_dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(

@@ -115,3 +115,39 @@ def total_bytes(storages: dict[int, Storage]) -> int:
 def largest(storages: dict[int, Storage], n: int = 8) -> list[tuple[str, int]]:
     """The `n` biggest storages as (example tensor, bytes), for failure messages."""
     return sorted(((s.example, s.nbytes) for s in storages.values()), key=lambda x: -x[1])[:n]
+
+
+def holders(ptrs: Iterable[int], n: int = 3, depth: int = 3) -> list[str]:
+    """Who keeps the storages at `ptrs` alive: for up to `n` of them, the chain of referrer types of one
+    tensor viewing each, `depth` levels up (dicts named by the object owning them). For failure messages:
+    a storage that outlives its step is found by what holds it, not by guessing."""
+    wanted = set(ptrs)
+    out: list[str] = []
+    for t in _live_tensors():
+        storage = _real(t)
+        if storage is None or storage.data_ptr() not in wanted:
+            continue
+        wanted.discard(storage.data_ptr())
+        out.append(f"{t.dtype}{list(t.shape)} <- " + " <- ".join(_referrer_chain(t, depth)))
+        if len(out) == n:
+            break
+    return out
+
+
+def _referrer_chain(obj: object, depth: int) -> list[str]:
+    """Each level: every referrer's name (frames and this walk's own lists left out), then up the first."""
+    chain: list[str] = []
+    for _ in range(depth):
+        refs = [r for r in gc.get_referrers(obj) if type(r).__name__ not in ("frame", "cell", "generator", "list")]
+        if not refs:
+            break
+        chain.append("|".join(sorted({_name(r) for r in refs})))
+        obj = refs[0]
+    return chain
+
+
+def _name(obj: object) -> str:
+    if isinstance(obj, dict):
+        owners = [o for o in gc.get_referrers(obj) if getattr(o, "__dict__", None) is obj]
+        return f"{type(owners[0]).__qualname__}.__dict__" if owners else f"dict{sorted(map(str, obj))[:3]}"
+    return type(obj).__qualname__

@@ -24,6 +24,7 @@ from torch import nn
 
 from shardpar.api.activation_offload import ActivationOffloader
 from shardpar.collectives import CommStats, CountingEngine, Engine, Group, make_engine
+from shardpar.collectives.entry import EntryCheck, job_store
 from shardpar.collectives.native import all_gather_object, broadcast_object
 from shardpar.config import Config
 from shardpar.config_v1 import warning_text as v1_warning_text
@@ -64,6 +65,7 @@ class _State:
     pp_group: Any = None  # smp.get_pp_process_group(): this rank alone, made on first use (api/groups.py)
     p2p_sent: dict[int, int] = dataclasses.field(default_factory=dict)  # messages sent to each global rank
     p2p_received: dict[int, int] = dataclasses.field(default_factory=dict)  # messages taken from each
+    entry: EntryCheck | None = None  # [Note: collective entry]: gathering calls check in first
     offloader: ActivationOffloader | None = None  # offload_activations: what checkpoints keep leaves the device
 
 
@@ -73,6 +75,9 @@ _LOG = logging.getLogger("shardpar")
 _REGISTERED: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.WeakKeyDictionary()
 # smp.tensor_parallelism() marks modules while they are built, before init() may have run.
 _TP_MARKS = ModuleMarks()
+# smp.init calls in this process (every rank makes as many): the entry check's keys of one init never
+# meet an earlier init's in the job's store ([Note: collective entry])
+_INITS = [0]
 
 
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
@@ -116,6 +121,8 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         )
     )
     _STATE = _State(cfg, the_plan, topology, engine, owns, local_rank, local_size, device)
+    _INITS[0] += 1
+    _STATE.entry = EntryCheck(job_store(world), rank, range(world), cfg.collective_entry_timeout_s, _INITS[0])
     if cfg.offload_activations:
         _STATE.offloader = ActivationOffloader(cfg.activation_loading_horizon)
     if cfg.v1_notes and rank == 0:
@@ -367,7 +374,12 @@ def _group(group: CommGroup) -> Group:
 
 def barrier(group: CommGroup = CommGroup.WORLD) -> None:
     st = state()
-    st.engine.barrier(_group(group))
+    if group != CommGroup.WORLD or st.entry is None:
+        st.engine.barrier(_group(group))
+        return
+    # checked in: a rank skipping a gathering call meets the others here, and both sides are named
+    with st.entry.call("smp.barrier()", "Call smp.barrier() on every rank."):
+        st.engine.barrier(_group(group))
 
 
 def broadcast_collective(obj: Any, group: CommGroup, src: int) -> Any:

@@ -94,16 +94,14 @@ def summarize(model: DistributedModel, engine_name: str) -> WrapSummary:
     tensors: list[torch.Tensor | None] = [persistent.main, persistent.compute]
     for u in model.units:
         tensors += [u.main_shard, u._compute_shard, getattr(u.replica, "main", None)]
-        if u.frozen is not None:  # frozen parameters: their own shard, and its compute copy where kept
-            tensors += [u.frozen.shard, u.frozen._compute]
+        if u.frozen is not None:  # frozen at wrap time: its shard in its dtype (+ compute copy or codes)
+            tensors += [u.frozen.shard, u.frozen._compute, u.frozen._packed]
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.numel():
             held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    # a frozen parameter has no gradient and no optimizer state ([Note: frozen shards]); the persistent
-    # ones still get a slot of the flat persistent main grad
-    stepped = sum(piece.length for piece in model.sharded_state.pieces if not piece.frozen)
-    frozen = [s for u in model.units if u.frozen is not None for s in u.frozen.layout.specs]
+    stepped = sum(piece.length for piece in model.sharded_state.pieces if not piece.frozen)  # no grad, no Adam
     compute = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
+    layouts = [u.layout for u in model.units] + [u.frozen.layout for u in model.units if u.frozen is not None]
     return WrapSummary(
         world=topo.plan.world,
         sdp=topo.sharding.size,
@@ -112,8 +110,8 @@ def summarize(model: DistributedModel, engine_name: str) -> WrapSummary:
         engine=engine_name,
         units=len(model.units),
         unit_names=tuple(u.name for u in model.units),
-        sharded_tensors=sum(len(u.layout.specs) for u in model.units) + len(frozen),
-        sharded_elements=sum(s.numel for u in model.units for s in u.layout.specs) + sum(s.numel for s in frozen),
+        sharded_tensors=sum(len(layout.specs) for layout in layouts),
+        sharded_elements=sum(s.numel for layout in layouts for s in layout.specs),
         whole_tensors=len(persistent.params),
         whole_elements=int(persistent.main.numel()),
         largest_whole=max((p.numel() for p in persistent.params), default=0),

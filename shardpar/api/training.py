@@ -218,21 +218,23 @@ def save_checkpoint(
             "smp.save_checkpoint: the optimizer was built over another DistributedModel than `model`; "
             "pass the optimizer of this model (or none)"
         )
-    _checkpoint.save_checkpoint(
-        path,
-        tag,
-        model=model,
-        optimizer=optimizer or _optimizer_of(model),
-        topology=st.topology,
-        engine=st.engine,
-        partial=partial,
-        user_content=user_content,
-        translate_if_full=translate_if_full,
-        num_kept_partial_checkpoints=num_kept_partial_checkpoints,
-        max_shard_size=max_shard_size,
-        full_dtype=full_dtype,
-        async_save=async_save,
-    )
+    fix = "Call smp.save_checkpoint on every rank: every rank writes its shard (or gathers for rank 0's files)."
+    with model.gathering("smp.save_checkpoint()", fix):
+        _checkpoint.save_checkpoint(
+            path,
+            tag,
+            model=model,
+            optimizer=optimizer or _optimizer_of(model),
+            topology=st.topology,
+            engine=st.engine,
+            partial=partial,
+            user_content=user_content,
+            translate_if_full=translate_if_full,
+            num_kept_partial_checkpoints=num_kept_partial_checkpoints,
+            max_shard_size=max_shard_size,
+            full_dtype=full_dtype,
+            async_save=async_save,
+        )
 
 
 def wait_for_checkpoint(timeout_s: float | None = None) -> str | None:

@@ -95,6 +95,7 @@ class DistributedModel(_DistributedModel):
             config=st.config,
             topology=st.topology,
             engine=st.engine,
+            entry=st.entry,
             backward_passes_per_step=backward_passes_per_step,
             wrap=wrap,
             registered={id(m): list(ps) for m, ps in _REGISTERED.items()},

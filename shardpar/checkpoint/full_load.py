@@ -47,8 +47,7 @@ class FullLoad:
     @classmethod
     def check(cls, directory: Path, model: DistributedModel, strict: bool) -> FullLoad:
         """Validate the directory against its manifest and the model; nothing is loaded here."""
-        if not directory.is_dir():
-            raise CheckpointError(f"{directory}: checkpoint directory is missing")
+        ix.require_directory(directory)
         info = _read_manifest(directory)
         names = _weight_files(directory)
         if info and set(info["files"]) != set(names):

@@ -155,11 +155,22 @@ def numel_of(shape: list[int] | tuple[int, ...]) -> int:
 # ---- reading and checking ---------------------------------------------------------------------------
 
 
+def require_directory(directory: Path) -> None:
+    """CheckpointError unless `directory` is one; a file there is named as a file, with where it loads."""
+    if directory.is_file():
+        raise CheckpointError(
+            f"{directory} is a file, not a checkpoint directory (smp.save_checkpoint writes directories); a full "
+            "model saved with torch.save (SMP v1's fullmodel.pt) loads with smp.resume_from_checkpoint(path, "
+            "partial=False)"
+        )
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory is missing")
+
+
 def read_index(directory: Path) -> dict[str, Any]:
     path = directory / INDEX_NAME
     label = f"{directory}/{INDEX_NAME}"
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: checkpoint directory is missing")
+    require_directory(directory)
     if not path.is_file():
         raise CheckpointError(f"{label}: file is missing (the save never completed?)")
     try:

@@ -104,6 +104,8 @@ class LoadJob:
     def restores_rng(self) -> bool:
         """Rank i gets rank i's RNG state when (world, tp) is unchanged: then rank i has the same role."""
         saved_tp = int(self.index.get("topology", {}).get("tp", 1))
+        if not self.index.get("rng"):  # none saved (`shardpar convert` writes none)
+            return False
         return int(self.index["rng"]["world"]) == self.world and saved_tp == self.model.topology.plan.tp
 
     def check(self) -> fingerprint.RankHashes:

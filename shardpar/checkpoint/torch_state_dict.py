@@ -1,7 +1,7 @@
 """torch.distributed.checkpoint.state_dict's functions on a DistributedModel and its optimizer:
 `get_model_state_dict`, `get_optimizer_state_dict`, `get_state_dict` and their `set_*` return and take
-what they return and take for one process -- full tensors under the unwrapped model's FQNs, optimizer
-state keyed by FQN (docs/migration.md, "From PyTorch FSDP2").
+what they return and take for FSDP2 -- tensors under the unwrapped model's FQNs, optimizer state keyed
+by FQN, sharded by default and full with `full_state_dict=True` (docs/migration.md, "From PyTorch FSDP2").
 
 Why not through torch's own code path: it maps optimizer state to FQNs by the identity of the tensors
 in the optimizer's param groups, found again in `model.named_parameters()`; a DistributedOptimizer
@@ -12,12 +12,13 @@ functions call (looked up in the module's globals at call time, so scripts that 
 functions before shardpar are covered): a DistributedModel goes to the functions below, any other
 model to torch's own code, unchanged.
 
-`StateDictOptions`: `full_state_dict=False` gives the same full tensors as True (shardpar's parameters
-are not DTensors; a sharded save is smp.save_checkpoint); `cpu_offload` moves the tensors to the CPU
-and, with `full_state_dict`, leaves them on rank 0 only (as torch does); `ignore_frozen_params`,
-`strict` and `flatten_optimizer_state_dict` behave as in torch; `broadcast_from_rank0` and
-`submodules` raise (see `_refuse`). The functions below are usable without torch's front end (issue 32's
-DCP save and load builds on them).
+`StateDictOptions`: `full_state_dict=False` (torch's default) gives the sharded form FSDP2 gives --
+ShardedTensors aliasing this rank's pieces, which torch.distributed.checkpoint saves and loads in place
+(dcp_state_dict.py; runtime/dcp_chunks.py says how DCP sees a piece) -- and `full_state_dict=True`
+full tensors; `cpu_offload` moves the tensors to the CPU and, with `full_state_dict`, leaves them on
+rank 0 only (as torch does); `ignore_frozen_params`, `strict` and `flatten_optimizer_state_dict`
+behave as in torch; `broadcast_from_rank0` and `submodules` raise (see `_refuse`). The `set_*`
+functions take either form.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint.state_dict as dsd
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 
+from shardpar.checkpoint import dcp_state_dict
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.shard_layout import ShardLayout
@@ -113,8 +116,15 @@ def _param_names(optimizer: torch.optim.Optimizer, stepped: Mapping[int, _Steppe
     return groups
 
 
-def _full(value: Any, where: _Stepped) -> Any:
-    """A state value at the parameter's full shape: per-element tensors gathered, the rest copied."""
+def _full(value: Any, where: _Stepped, full: bool = True) -> Any:
+    """A state value at the parameter's full shape: per-element tensors gathered, the rest copied; not
+    `full`: per-element tensors as ShardedTensors aliasing this rank's piece, the rest as they are (what
+    torch's sharded state dict holds, so that DCP loads into them in place)."""
+    if not full:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            local = value.local_piece if isinstance(value, ShardedTensor) else value
+            return dcp_state_dict.sharded(local, where.layout, cpu=False)
+        return value
     if isinstance(value, ShardedTensor):
         return value.full_tensor()
     if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -124,23 +134,37 @@ def _full(value: Any, where: _Stepped) -> Any:
     return value
 
 
-def optimizer_state_dict(model: DistributedModel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state_dict(
+    model: DistributedModel, optimizer: torch.optim.Optimizer, *, full: bool = True
+) -> dict[str, Any]:
     """One process's optimizer state dict with FQN keys, as torch's `get_optimizer_state_dict` returns
     it: {"state": {fqn: {name: full tensor or value}}, "param_groups": [{..., "params": [fqn, ...]}]}.
-    A collective (the state tensors are gathered one by one). shardpar's loss scaler is not in it."""
+    A collective (the state tensors are gathered one by one). shardpar's loss scaler is not in it.
+    Not `full`: the sharded form (dcp_state_dict.py), no collective. An empty state is filled first, as
+    torch does (a step with lr 0 on zero gradients), so a fresh optimizer has tensors to load into."""
     inner, dist = _inner(optimizer)
+    dcp_state_dict.init_state(inner)
     groups = _param_names(inner, _stepped(model, dist))
     flat = [where for group in groups for where in group]
     packed = inner.state_dict()  # param ids are positions in param-group order
-    state = {flat[i].fqn: {k: _full(v, flat[i]) for k, v in s.items()} for i, s in packed[STATE].items()}
+    state = {flat[i].fqn: {k: _full(v, flat[i], full) for k, v in s.items()} for i, s in packed[STATE].items()}
     param_groups = [{**g, PARAMS: [flat[i].fqn for i in g[PARAMS]]} for g in packed[GROUPS]]
     return {STATE: state, GROUPS: param_groups}
 
 
-def _piece(value: Any, where: _Stepped, like: torch.Tensor) -> Any:
-    """This rank's piece of a full-shape state tensor, as the optimizer keeps it (see `_full`)."""
+def _piece(value: Any, where: _Stepped, like: torch.Tensor, live: Any = None) -> Any:
+    """This rank's piece of a full-shape state tensor, as the optimizer keeps it (see `_full`). `live`:
+    the optimizer's own tensor for this state now; a sharded value aliasing it (what `dcp.load` filled
+    in place) is kept as it is, with no copy."""
     if not isinstance(value, torch.Tensor):
         return value
+    if dcp_state_dict.is_alias(value, live):
+        return live
+    mine = dcp_state_dict.state_piece(value, where.layout, where.fqn)
+    if mine is not None:  # a sharded state dict of this placement (after dcp.load): this rank's piece
+        return ShardedTensor(mine, where.layout) if isinstance(like, ShardedTensor) else mine
+    if isinstance(value, ShardedTensor):  # another placement: gathered (a collective, alike on every rank)
+        value = value.full_tensor()
     if value.dim() == 0:  # a copy: Adam's `step` is counted up in place, the caller's must stay as it was
         return value.detach().clone()
     layout = where.layout
@@ -186,7 +210,7 @@ def load_optimizer_state_dict(
             "pass StateDictOptions(strict=False) to load it anyway"
         )
     state = {
-        i: {k: _piece(v, where, p) for k, v in saved_state[where.fqn].items()}
+        i: {k: _piece(v, where, p, inner.state.get(p, {}).get(k)) for k, v in saved_state[where.fqn].items()}
         for i, (p, where) in enumerate(flat)
         if where.fqn in saved_state
     }
@@ -248,9 +272,23 @@ def _offload(tensors: dict[str, Any], info: Any) -> dict[str, Any]:
     """`cpu_offload`: on the CPU; with `full_state_dict` rank 0 alone keeps them (torch's _gather_state_dict)."""
     if not info.cpu_offload:
         return tensors
-    if info.full_state_dict and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    if not info.full_state_dict:  # sharded: each rank's pieces, on the CPU
+        return _pieces_to_cpu(tensors)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return {}
     return dsd._offload_state_dict_to_cpu(tensors)
+
+
+def _pieces_to_cpu(value: Any) -> Any:
+    if isinstance(value, ShardedTensor):
+        return dcp_state_dict.sharded(value.local_piece, value.shard_layout, cpu=True)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu")
+    if isinstance(value, dict):
+        return {k: _pieces_to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_pieces_to_cpu(v) for v in value]
+    return value
 
 
 def _get_model(original: Callable[..., Any], model: nn.Module, info: Any) -> Any:
@@ -258,6 +296,10 @@ def _get_model(original: Callable[..., Any], model: nn.Module, info: Any) -> Any
     if ours is None or not info.handle_model:
         return original(model, info)
     _refuse(info, "get_model_state_dict")
+    if not info.full_state_dict:  # FSDP2's default: sharded, for torch.distributed.checkpoint
+        return dcp_state_dict.model_state_dict(
+            ours, ignore_frozen_params=info.ignore_frozen_params, cpu=info.cpu_offload
+        )
     return _offload(model_state_dict(ours, ignore_frozen_params=info.ignore_frozen_params), info)
 
 
@@ -268,6 +310,10 @@ def _load_model(original: Callable[..., Any], model: nn.Module, state_dict: dict
     _refuse(info, "set_model_state_dict")
     if not state_dict:  # torch: nothing to load
         return original(model, state_dict, info)
+    rest = dcp_state_dict.split_sharded(ours, state_dict, info.strict)
+    if len(rest) < len(state_dict):  # the sharded values are in; the key checks ran on the whole dict
+        # nothing else to load: skip load_state_dict, which would refresh every unit for no values
+        return ours.load_state_dict(rest, strict=False) if rest else _IncompatibleKeys([], [])
     return ours.load_state_dict(state_dict, strict=info.strict)
 
 
@@ -278,7 +324,7 @@ def _get_optim(original: Callable[..., Any], model: nn.Module, optimizers: Any, 
     _refuse(info, "get_optimizer_state_dict")
     merged: dict[str, Any] = {STATE: {}, GROUPS: []}
     for optimizer in optimizers:
-        one = optimizer_state_dict(ours, optimizer)
+        one = optimizer_state_dict(ours, optimizer, full=info.full_state_dict)
         merged[STATE].update(one[STATE])
         merged[GROUPS].extend(one[GROUPS])
     if info.flatten_optimizer_state_dict:

@@ -2,10 +2,12 @@
 fine-tune (issue 33) and the size of its checkpoints. Arithmetic on the model's units (model_shape.py)
 and the way the runtime holds each kind of tensor:
 
-    frozen base, sharded     its units' elements / sdp, in the frozen dtype (runtime/frozen.py):
-                             bf16 2 bytes; int8 1 byte + one fp32 scale per 64-value block (1.0625);
-                             nf4 0.5 byte + one fp32 scale per 64 values (0.5625) -- the
-                             `sdp_frozen_base_mode` knob's quantized forms
+    frozen base, sharded     its units' elements / sdp in bf16 (runtime/frozen.py); with
+                             --frozen-dtype int8 / nf4 (`sdp_frozen_base_mode`) also its codes: int8 1 byte
+                             + one fp32 scale per 64-value block (1.0625), nf4 0.5 byte + the scale
+                             (0.5625) -- the runtime keeps the exact bf16 shard beside the codes it
+                             gathers (state dicts and checkpoints read the exact base), so a quantized
+                             mode cuts the gathered bytes, not the stored ones
     persistent tensors       (biases, layer norms, and adapters under sdp_param_persistence_threshold)
                              whole on every rank: one flat fp32 main copy, a compute-dtype copy under
                              bf16/fp16, and a main grad as large as the main copy (runtime/persistent.py
@@ -44,7 +46,8 @@ class LoraEstimate:
 
     sdp: int
     adapter_numel: int
-    frozen_sharded: int  # the frozen base's shard in its dtype
+    frozen_sharded: int  # the frozen base's shard in bf16
+    frozen_codes: int  # int8 / nf4: the quantized copy of that shard the runtime gathers
     frozen_persistent: int  # small frozen tensors, whole: main + compute copy + main grad
     adapter_states: int  # adapters: main + compute copy + grad + optimizer state
     gathered: int  # transient: the units gathered for compute (current + prefetched)
@@ -54,7 +57,7 @@ class LoraEstimate:
 
     @property
     def model_states(self) -> int:
-        return self.frozen_sharded + self.frozen_persistent + self.adapter_states
+        return self.frozen_sharded + self.frozen_codes + self.frozen_persistent + self.adapter_states
 
 
 def mlp_width(shape: ModelShape) -> int:
@@ -103,12 +106,13 @@ def estimate_lora(
     return LoraEstimate(
         sdp=sdp,
         adapter_numel=sum(adapters),
-        frozen_sharded=math.ceil(sharded_base * FROZEN_BYTES[frozen_dtype]),
+        frozen_sharded=sharded_base * 2,
+        frozen_codes=0 if frozen_dtype == "bf16" else math.ceil(sharded_base * FROZEN_BYTES[frozen_dtype]),
         frozen_persistent=shape.persistent_numel * (4 + copy + 4),
         adapter_states=(whole + split) * per_adapter,
         gathered=(2 * max(blocks) * c if sdp > 1 else 0),
         checkpoint_adapter_only=adapter_ckpt,
-        checkpoint_with_base=adapter_ckpt + math.ceil(shape.num_params * FROZEN_BYTES[frozen_dtype]),
+        checkpoint_with_base=adapter_ckpt + shape.num_params * 2,
         checkpoint_full=(shape.num_params + sum(adapters)) * 4,
     )
 
@@ -120,7 +124,10 @@ def format_lora(e: LoraEstimate, frozen_dtype: str) -> str:
     return "\n".join(
         [
             f"  LoRA: {e.adapter_numel:,} adapter elements; frozen base {frozen_dtype}, sdp {e.sdp}",
-            f"    frozen base shard       {mib(e.frozen_sharded)}   ({frozen_dtype}, / sdp)",
+            f"    frozen base shard       {mib(e.frozen_sharded)}   (bf16, / sdp)",
+            f"    its {frozen_dtype} codes          {mib(e.frozen_codes)}   (what it gathers, 64-value blocks)"
+            if e.frozen_codes
+            else "",
             f"    small frozen tensors    {mib(e.frozen_persistent)}   (whole: fp32 main, compute copy, grad)",
             f"    adapters                {mib(e.adapter_states)}   (fp32 main, compute copy, grad, optimizer)",
             f"    model states per rank   {mib(e.model_states)}",
@@ -130,7 +137,7 @@ def format_lora(e: LoraEstimate, frozen_dtype: str) -> str:
             f"  ... storing the base      {mib(e.checkpoint_with_base)}",
             f"  full export (fp32)        {mib(e.checkpoint_full)}",
         ]
-    )
+    ).replace("\n\n", "\n")
 
 
 def print_lora(args: argparse.Namespace, shape: ModelShape, setup: Any, world: int) -> int:

@@ -383,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--sdp", type=int, default=2)
     e.add_argument("--ranks-per-node", type=int, default=None)
     e.set_defaults(func=env)
+    from shardpar.cli import convert
+
+    convert.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

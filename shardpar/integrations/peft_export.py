@@ -26,6 +26,8 @@ def save_adapter(model: DistributedModel, directory: str | os.PathLike[str], *, 
     writes (the module's save_pretrained is the collective form, full_views.py)."""
     module: Any = model.module
     module.save_pretrained(directory, state_dict=adapter_state_dict(module), is_main_process=is_main_process)
+    # with a state_dict given save_pretrained is no collective: the files are in place before any rank reads them
+    model.engine.barrier(model.topology.group("world"))
 
 
 def load_adapter(model: DistributedModel, directory: str | os.PathLike[str]) -> None:

@@ -16,6 +16,16 @@ The frozen parameters of one unit share one dtype (the flat shard has one): a un
 parameters come in several dtypes is refused at wrap time. Freezing or unfreezing a parameter after
 wrapping is refused too (at the unit's next forward, user_params.py): its storage, its gradient path and the optimizer's
 view of it were chosen when it was wrapped.
+
+How the frozen shard is gathered is `sdp_frozen_base_mode` (issue 33 item 2):
+    "gather"         (default) AllGathered per use, freed with the unit, as above;
+    "keep_gathered"  the first gather of a step stays for the step: `free` keeps the buffer's memory
+                     and the next `start_gather` points the parameters at it again, with no
+                     collective; `release_kept` (the optimizer step, a load) frees it. At sdp > 1 only
+                     (at sdp 1 nothing is gathered), and only where frozen_modes.py found it fits;
+    "int8" / "nf4"   the shard is also kept block-quantized (frozen_quant.py, [Note: quantized frozen
+                     base]); what is AllGathered is the quantized bytes, dequantized into the gathered
+                     compute-dtype buffer at each use.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import torch
 from torch import nn
 
 from shardpar.collectives import Work
+from shardpar.runtime import frozen_quant
 from shardpar.runtime.unit_comm import UnitComm
 from shardpar.sharding.layout import FlatLayout, ParamSlice
 
@@ -42,6 +53,7 @@ class FrozenShard:
         *,
         compute_dtype: torch.dtype,
         device: torch.device,
+        mode: str = "gather",
     ) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
@@ -61,6 +73,18 @@ class FrozenShard:
         self._gathered: torch.Tensor | None = None  # one storage for the unit's life, as the unit's own
         self._full: torch.Tensor | None = None
         self._work: Work | None = None
+        self.mode = mode
+        self.quantized = mode in frozen_quant.QUANTIZED
+        self._packed: torch.Tensor | None = None  # int8 / nf4: this rank's shard, quantized
+        self._packed_version = -1  # the shard's version counter when it was quantized
+        self._packed_rows: torch.Tensor | None = None  # what the running gather brings (or the own shard)
+        self._qgathered: torch.Tensor | None = None  # sdp > 1: the gathered quantized bytes' buffer
+        self._kept = False  # keep_gathered: `_gathered` holds this step's gathered values
+        self.counted_live = False  # in the live count (the unit's _count_live)
+
+    @property
+    def keeps_gathered(self) -> bool:
+        return self.mode == "keep_gathered" and self.comm.sharding.size > 1
 
     @property
     def padded_numel(self) -> int:
@@ -79,7 +103,15 @@ class FrozenShard:
         self.refresh_compute()
 
     def refresh_compute(self) -> None:
-        """After the shard was written (a checkpoint or state-dict load)."""
+        """After an optimizer step or after the shard was written (a checkpoint or state-dict load)."""
+        self.release_kept()  # the step boundary ends a kept gather; a load changes the values
+        if self.quantized:
+            # Quantized again only when the shard was written (its version counter moved): a frozen
+            # shard does not change at a step, and quantizing it costs a pass over the shard.
+            if self._packed is None or self.shard._version != self._packed_version:
+                self._packed = frozen_quant.quantize(self.shard, self.mode)
+                self._packed_version = self.shard._version
+            return
         if self.compute_dtype == self.dtype:
             return
         if self._compute is None:
@@ -95,9 +127,21 @@ class FrozenShard:
     def start_gather(self) -> None:
         if self.layout.numel == 0:
             return
+        if self._kept:  # keep_gathered: this step's gathered values are still there
+            self._full = self._gathered
+            return
+        if self.quantized:
+            self._start_quantized_gather()
+            return
         if self.comm.sharding.size == 1:
             self._full = self.compute_shard()  # sdp 1: compute on views of the shard, as the unit does
             return
+        buf = self._fill_gathered()
+        self._work = self.comm.gather(buf, self.compute_shard(), async_op=True)
+        self._full = buf
+
+    def _fill_gathered(self) -> torch.Tensor:
+        """The compute-dtype gathered buffer with its storage allocated ([Note: gathered storage], unit.py)."""
         buf = self._gathered
         nbytes = self.layout.padded_numel * torch.empty(0, dtype=self.compute_dtype).element_size()
         if buf is None:
@@ -105,13 +149,39 @@ class FrozenShard:
             self._gathered = buf
         elif buf.untyped_storage().nbytes() != nbytes:
             buf.untyped_storage().resize_(nbytes)
-        self._work = self.comm.gather(buf, self.compute_shard(), async_op=True)
-        self._full = buf
+        return buf
+
+    def _start_quantized_gather(self) -> None:
+        """AllGather the quantized shards (a flat gather over the sharding group, uint8: the codes and
+        the scales in one call); finish_gather dequantizes them into the compute-dtype buffer."""
+        if self._packed is None:
+            raise AssertionError("a quantized frozen shard is gathered before it was quantized")
+        size = self.comm.sharding.size
+        if size == 1:
+            self._packed_rows = self._packed.view(1, -1)
+        else:
+            numel = size * self._packed.numel()
+            buf = self._qgathered
+            if buf is None:
+                buf = self.comm.engine.alloc_buffer(numel, torch.uint8, self.device)
+                self._qgathered = buf
+            elif buf.untyped_storage().nbytes() != numel:
+                buf.untyped_storage().resize_(numel)
+            self._work = self.comm.engine.all_gather(buf, self._packed, self.comm.sharding, async_op=True)
+            self._packed_rows = buf.view(size, -1)
+        self._full = self._fill_gathered()
 
     def finish_gather(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self._packed_rows is not None and self._full is not None:
+            frozen_quant.dequantize_into(self._full, self._packed_rows, self.mode, self.layout.shard_numel)
+            self._packed_rows = None
+            if self._qgathered is not None:
+                self._qgathered.untyped_storage().resize_(0)  # only the dequantized values stay
+        if self.keeps_gathered and self._full is not None:
+            self._kept = True
         if self._full is not None:
             for p, spec in zip(self.params, self.layout.specs, strict=True):
                 p.data = self._full[spec.offset : spec.offset + spec.numel].view(spec.shape)
@@ -122,9 +192,44 @@ class FrozenShard:
             self._work = None
         for p in self.params:
             p.data = empty()
-        if self._full is not None and self._full is self._gathered:
+        if self._full is not None and self._full is self._gathered and not self._kept:
             self._gathered.untyped_storage().resize_(0)  # [Note: gathered storage] in unit.py
+        if self._qgathered is not None:
+            self._qgathered.untyped_storage().resize_(0)  # a gather freed before finish_gather dequantized it
         self._full = None
+        self._packed_rows = None
+
+    def release_kept(self) -> None:
+        """keep_gathered: end the step's kept gather; its memory goes now, or when the unit is freed."""
+        if not self._kept:
+            return
+        self._kept = False
+        if self._full is None and self._gathered is not None:
+            self._gathered.untyped_storage().resize_(0)
+
+    @property
+    def holds_memory(self) -> bool:
+        """Whether the gathered values are alive: in use, or kept for the step."""
+        return self._full is not None or self._kept
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes keep_gathered holds for this shard between its uses in a step."""
+        if not self.keeps_gathered:
+            return 0
+        return self.layout.padded_numel * torch.empty(0, dtype=self.compute_dtype).element_size()
+
+    def quantization_errors(self) -> list[tuple[str, float, float]]:
+        """(name, max, mean relative error) of each frozen tensor's piece in this rank's shard, as
+        compute sees it after dequantization ([Note: quantized frozen base])."""
+        if self._packed is None:
+            return []
+        approx = frozen_quant.dequantize(self._packed, self.mode, self.layout.shard_numel, torch.float32)
+        return [
+            (sl.spec.fqn, *frozen_quant.relative_errors(self.shard[sl.local], approx[sl.local]))
+            for sl in self.slices
+            if sl.length
+        ]
 
     # ---- full values (checkpoints, state dicts) ---------------------------------------------------
 

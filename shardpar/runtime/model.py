@@ -12,18 +12,20 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardpar.collectives import Engine, Group
+from shardpar.collectives.entry import EntryCheck
 from shardpar.config import Config
 from shardpar.precision import DtypePolicy
 from shardpar.runtime.boundary_cast import call_in_compute_dtype
 from shardpar.runtime.buffers import BufferSync
 from shardpar.runtime.frozen import FrozenShard
+from shardpar.runtime.frozen_modes import refuse_bitsandbytes, settle_frozen_mode
 from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
@@ -71,8 +73,10 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         find_optimizer: Callable[[], Any] = lambda: None,
         tp_splits: Mapping[str, TPSplit] | None = None,
         broadcast_buffers: bool = True,
+        entry: EntryCheck | None = None,
     ) -> None:
         super().__init__()
+        self._entry = entry  # [Note: collective entry]: gathering calls check in first (None: never)
         self.window = AccumulationWindow(  # validates backward_passes_per_step first
             backward_passes_per_step, average_microbatches=average_grads_across_microbatches
         )
@@ -80,6 +84,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         self._post_partition_hooks: OrderedDict[int, Callable[[Any, Any], None]] = OrderedDict()  # weakref-able
         self._post_step_hooks: OrderedDict[int, Callable[[Any, Any], None]] = OrderedDict()
         refuse_nested(module)
+        refuse_bitsandbytes(module)
         if config.delayed_parameter_initialization:
             check_nothing_materialised(module, premade=premade)
         self.module = module
@@ -115,6 +120,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         # shard_optimizer_state ([Note: replica-sharded main], replica_shard.py); None when off or one replica
         self.replicas = replica_comm(config.shard_optimizer_state, topology, engine)
         self.units = self._build_units(plans, values)
+        settle_frozen_mode(self.units, config, topology, engine, self.device)  # frozen_modes.py
         self.scheduler = Scheduler(self.units, cap=config.sdp_max_live_parameters, live=self.live)
         self.reducer = GradReducer(
             engine,
@@ -164,9 +170,12 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         )
         self._hooks.install()
         self._tp = TPLayout(tp_splits, engine, topology.tp, topology.tp.rank_of(topology.rank)) if tp_splits else None
-        self._full_hooks = FullStateDictHooks(module, self.sharded_state.full_values, self._tp)
+        self._full_hooks = FullStateDictHooks(module, self.sharded_state.full_values, self._tp, self.gathering)
         wrap_save_pretrained(
-            module, is_rank0=topology.rank == 0, barrier=lambda: engine.barrier(topology.group("world"))
+            module,
+            is_rank0=topology.rank == 0,
+            barrier=lambda: engine.barrier(topology.group("world")),
+            gathering=self.gathering,
         )
         self.buffer_sync = BufferSync(
             list(persistent_buffers(module).values()) if broadcast_buffers else [], engine=engine, group=topology.rdp
@@ -174,6 +183,11 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         self.buffer_sync.sync()
         self._nested_prefix: str | None = None  # set while a parent's load_state_dict passes through
         self.register_load_state_dict_post_hook(DistributedModel._forget_inner_missing)
+
+    def gathering(self, name: str, fix: str) -> AbstractContextManager[None]:
+        """Around a call that gathers from every rank: every rank checks in first, so a call made on some
+        ranks only raises there, naming `name` and `fix` ([Note: collective entry])."""
+        return self._entry.call(name, fix) if self._entry is not None else nullcontext()
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -245,6 +259,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
                     comm,
                     compute_dtype=self.policy.compute,
                     device=self.device,
+                    mode=self.shardpar_config.sdp_frozen_base_mode,
                 )
             unit = Unit(
                 len(units),

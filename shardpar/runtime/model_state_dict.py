@@ -8,11 +8,13 @@ attributes it reads -- DistributedModel.__init__ sets them."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 
+from shardpar.runtime.full_views import STATE_DICT_FIX
 from shardpar.runtime.state import ShardedState
 from shardpar.runtime.state_dict import (
     TPLayout,
@@ -35,6 +37,10 @@ class StateDictMixin(nn.Module):
     _tp: TPLayout | None
     _nested_prefix: str | None  # set while a parent's load_state_dict passes through
 
+    def gathering(self, name: str, fix: str) -> AbstractContextManager[None]:
+        """DistributedModel's check-in around a gathering call ([Note: collective entry])."""
+        raise NotImplementedError
+
     def state_dict(  # type: ignore[override]
         self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:
@@ -48,7 +54,10 @@ class StateDictMixin(nn.Module):
         destination = args[0] if len(args) > 0 else destination
         prefix = args[1] if len(args) > 1 else prefix
         keep_vars = args[2] if len(args) > 2 else keep_vars
-        return nested_state_dict(self.sharded_state, self.module, destination, prefix, keep_vars=keep_vars, tp=self._tp)
+        with self.gathering("model.state_dict()", STATE_DICT_FIX):
+            return nested_state_dict(
+                self.sharded_state, self.module, destination, prefix, keep_vars=keep_vars, tp=self._tp
+            )
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load full tensors (as returned by `state_dict`) into the shards and persistent params; a

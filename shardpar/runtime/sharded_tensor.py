@@ -38,7 +38,7 @@ import torch
 import torch.optim.optimizer as _optim_impl
 import torch.utils._foreach_utils as _foreach_impl
 
-from shardpar.runtime import deepspeed_views
+from shardpar.runtime import dcp_chunks, deepspeed_views
 from shardpar.runtime.shard_layout import ShardComm, ShardLayout, refusal
 from shardpar.runtime.sharded_gather import full_value
 from shardpar.runtime.sharded_reductions import finish_norm, norm_parts, reduce_scalars
@@ -119,6 +119,16 @@ class ShardedTensor(torch.Tensor):
         """DTensor's `full_tensor()`: a plain tensor of the global shape with every rank's values (a
         collective over the sharding and TP groups: every rank calls it, as with DTensor)."""
         return full_value(self._local, self._layout)
+
+    # torch.distributed.checkpoint's protocol (DTensor's): this rank's chunks, as views (dcp_chunks.py)
+    def __create_chunk_list__(self) -> list[Any]:
+        return dcp_chunks.chunk_list(self._layout)
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        return dcp_chunks.write_items(fqn, self._local, self._layout)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return dcp_chunks.tensor_shard(self._local, self._layout, index)
 
     # SMP v1's DeepSpeed names (AWS's templates read them when sdp > 1): deepspeed_views.py.
     @property

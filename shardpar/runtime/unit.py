@@ -176,7 +176,12 @@ class Unit:
         """After the optimizer stepped the fp32 main shard: refresh the half-precision copy."""
         self.drop_secondary()
         if self.frozen is not None:
-            self.frozen.refresh_compute()  # a no-op unless it keeps a compute copy (loads write the shard)
+            # a compute copy or codes refreshed after a load; a kept gather released (the step boundary)
+            self.frozen.refresh_compute()
+            if self.frozen.counted_live and not self.frozen.holds_memory:
+                self.frozen.counted_live = False  # keep_gathered's memory went back now
+                if self.comm.on_live_change is not None:
+                    self.comm.on_live_change(self, -self.frozen.padded_numel)
         if self.replica is not None:
             self.replica.refresh(self)  # AllGather of the stepped pieces over the replication group
             return
@@ -219,8 +224,7 @@ class Unit:
                 if self.frozen is not None:
                     self.frozen.start_gather()
                 self.state = UnitState.UNSHARDING
-            if self.comm.on_live_change is not None:
-                self.comm.on_live_change(self, self.gathered_numel)
+            self._count_live(+1)
         if not async_op:
             self.wait_for_unshard()
 
@@ -312,17 +316,31 @@ class Unit:
             p.data = self._empty(p)
         if self.frozen is not None:
             self.frozen.free(self._no_data)
-        if self.gathered_numel and self.comm.on_live_change is not None:
-            self.comm.on_live_change(self, -self.gathered_numel)
+        self._count_live(-1)
         if self._full is not None and self._full is self._gathered:
             # the memory itself, under every view autograd saved ([Note: gathered storage])
             self._gathered.untyped_storage().resize_(0)
         self._full = None
         self.state = UnitState.SHARDED
 
+    def _count_live(self, sign: int) -> None:
+        """Report the unit's gathered elements to the live count as it is gathered (+1) or freed (-1).
+        A frozen shard kept gathered (keep_gathered) stays counted from its first gather of a step to
+        its release at the step boundary (refresh_compute): its memory is alive all that time."""
+        numel = self.layout.padded_numel
+        if self.frozen is not None:
+            counted = sign > 0 or self.frozen.holds_memory
+            if counted != self.frozen.counted_live:
+                numel += self.frozen.padded_numel
+                self.frozen.counted_live = counted
+        if numel and self.comm.on_live_change is not None:
+            self.comm.on_live_change(self, sign * numel)
+
     @property
     def num_live_elements(self) -> int:
-        return 0 if self.state is UnitState.SHARDED else self.gathered_numel
+        if self.state is UnitState.SHARDED:
+            return 0 if self.frozen is None or not self.frozen.counted_live else self.frozen.padded_numel
+        return self.gathered_numel
 
     # ---- gradients ---------------------------------------------------------------------------
 

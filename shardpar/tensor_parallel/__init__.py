@@ -20,6 +20,7 @@ from shardpar.tensor_parallel.hf import (
 )
 from shardpar.tensor_parallel.layers import (
     ColumnParallelLinear,
+    HeadParallelEmbedding,
     RowParallelLinear,
     TPLayer,
     VocabParallelEmbedding,
@@ -27,9 +28,12 @@ from shardpar.tensor_parallel.layers import (
 )
 from shardpar.tensor_parallel.loss import VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
 from shardpar.tensor_parallel.marks import ModuleMarks, TPOptions, prepare_model
+from shardpar.tensor_parallel.plans import FAMILIES, family_names
 
 __all__ = [
+    "FAMILIES",
     "ColumnParallelLinear",
+    "HeadParallelEmbedding",
     "ModuleMarks",
     "RowParallelLinear",
     "TPComm",
@@ -41,6 +45,7 @@ __all__ = [
     "check_tp_divisibility",
     "convert_hf_model",
     "copy_to_tp_region",
+    "family_names",
     "full_shapes",
     "gather_from_tp_region",
     "gather_full_state_dict",

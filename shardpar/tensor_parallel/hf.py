@@ -1,19 +1,18 @@
-"""Convert Hugging Face GPT-NeoX, Llama (grouped-query attention included) and GPT-2 models to tensor
-parallelism in place, and gather a TP model's tensors back to the Hugging Face layout.
+"""Convert Hugging Face models to tensor parallelism in place, by their family's tensor-parallel plan
+(plans.py: transformers' own `base_model_tp_plan` for Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-J and
+GPT-NeoX; hand-written ones in the same format for GPT-2, GPT-Neo, BERT, RoBERTa and T5), and gather
+a TP model's tensors back to the Hugging Face layout.
 
-Per transformer block (Megatron-LM's split; SageMaker reference 003 "Sharded data parallelism with
-tensor parallelism", which also distributes the embeddings):
+Per transformer block, Megatron-LM's split (SageMaker reference 003 "Sharded data parallelism with
+tensor parallelism", which also distributes the embeddings): the projections into heads / intermediate
+features column-parallel, the projections out of them row-parallel (apply_plan.py).
 
-    family    column-parallel (heads / intermediate split)     row-parallel (input split)
-    GPT-NeoX  attention.query_key_value, mlp.dense_h_to_4h     attention.dense, mlp.dense_4h_to_h
-    Llama     self_attn.{q,k,v}_proj, mlp.{gate,up}_proj        self_attn.o_proj, mlp.down_proj
-    GPT-2     attn.c_attn (3 fused parts), mlp.c_fc            attn.c_proj, mlp.c_proj
-
-The input embedding becomes a VocabParallelEmbedding and the LM head a ColumnParallelLinear over the
-vocabulary (tied weights stay tied). LayerNorm/RMSNorm, position embeddings and row-parallel biases
-stay replicated. Each rank copies its slices from TP rank 0's full parameters (broadcast one at a
-time), so the TP ranks hold one consistent model, equal to TP rank 0's unconverted one, however they
-were seeded.
+Every embedding sharing the input embedding's weight becomes a VocabParallelEmbedding (T5's shared,
+encoder.embed_tokens and decoder.embed_tokens stay one parameter) and the LM head a ColumnParallelLinear
+over the vocabulary (tied weights stay tied), whatever the plan says of them. LayerNorm/RMSNorm,
+position embeddings and row-parallel biases stay replicated. Each rank copies its slices from TP rank
+0's full parameters (broadcast one at a time), so the TP ranks hold one consistent model, equal to TP
+rank 0's unconverted one, however they were seeded.
 """
 
 from __future__ import annotations
@@ -25,37 +24,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardpar.sharding.deferred_init import is_deferred, materialize
 from shardpar.sharding.tp_split import TPSplit
-from shardpar.tensor_parallel.comm import TPComm, copy_to_tp_region
-from shardpar.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TPLayer,
-    VocabParallelEmbedding,
-)
+from shardpar.tensor_parallel.apply_plan import apply_plan, column, full_value
+from shardpar.tensor_parallel.comm import TPComm
+from shardpar.tensor_parallel.layers import TPLayer, VocabParallelEmbedding
 from shardpar.tensor_parallel.loss import VocabParallelCausalLMLoss
+from shardpar.tensor_parallel.plans import check_styles, family_of, plan_of
 
 Include = Callable[[nn.Module], bool]
 
-# (config attribute, what it counts) that tensor_parallel_degree must divide, per model_type
-_DIVISIBLE: dict[str, tuple[tuple[str, str], ...]] = {
-    "gpt_neox": (
-        ("num_attention_heads", "attention heads"),
-        ("intermediate_size", "MLP intermediate features"),
-        ("vocab_size", "vocabulary rows"),
-    ),
-    "llama": (
-        ("num_attention_heads", "attention heads"),
-        ("num_key_value_heads", "key/value heads (grouped-query attention)"),
-        ("intermediate_size", "MLP intermediate features"),
-        ("vocab_size", "vocabulary rows"),
-    ),
-    "gpt2": (
-        ("n_head", "attention heads"),
-        ("n_inner", "MLP intermediate features"),
-        ("vocab_size", "vocabulary rows"),
-    ),
+# what a config leaves None, and what the model uses then
+_DEFAULTS: dict[str, tuple[str, Callable[[Any], int]]] = {
+    "n_inner": ("4 x n_embd", lambda c: 4 * int(c.n_embd)),
+    "intermediate_size": ("4 x hidden_size", lambda c: 4 * int(c.hidden_size)),
+    "num_key_value_heads": ("num_attention_heads", lambda c: int(c.num_attention_heads)),
 }
 
 
@@ -63,34 +45,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _family(model: nn.Module) -> str:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in _DIVISIBLE:
-        raise TypeError(
-            f"tensor parallelism converts Hugging Face GPT-NeoX, Llama and GPT-2 models; got "
-            f"{type(model).__name__} (model_type={model_type!r})"
-        )
-    return str(model_type)
-
-
 def _dimension(config: Any, attr: str) -> tuple[str, int]:
     """(how to name it, value) of a config dimension, resolving the HF defaults that are None."""
     value = getattr(config, attr, None)
     if value is not None:
         return attr, int(value)
-    if attr == "n_inner":
-        return "n_inner (None: 4 x n_embd)", 4 * int(config.n_embd)
-    if attr == "num_key_value_heads":
-        return "num_key_value_heads (None: num_attention_heads)", int(config.num_attention_heads)
+    if attr in _DEFAULTS:
+        means, compute = _DEFAULTS[attr]
+        return f"{attr} (None: {means})", compute(config)
     raise ValueError(f"the {config.model_type} config has no {attr}; cannot plan the tensor-parallel split")
 
 
 def check_tp_divisibility(config: Any, tp: int) -> None:
     """Raise ValueError naming the first dimension of `config` that `tp` TP ranks cannot split."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in _DIVISIBLE:
-        raise TypeError(f"tensor parallelism supports model_type gpt_neox, llama and gpt2; got {model_type!r}")
-    for attr, what in _DIVISIBLE[model_type]:
+    model_type, family = family_of(config, f"a {type(config).__name__}")
+    for attr, what in family.divisible:
         label, value = _dimension(config, attr)
         if value % tp:
             raise ValueError(
@@ -101,110 +70,27 @@ def check_tp_divisibility(config: Any, tp: int) -> None:
         raise ValueError("tensor parallelism does not convert GPT-2 cross-attention (add_cross_attention=True)")
 
 
-def _full(p: torch.Tensor | None, comm: TPComm) -> torch.Tensor | None:
-    """TP rank 0's full value of a parameter (a collective over the TP group; a delayed-initialized one
-    is built there, one at a time). Every TP rank then slices the same full tensor, so the TP layers
-    hold one model even where the ranks were seeded apart ([Note: rank 0's initial values],
-    runtime/initial_values.py)."""
-    if p is None:
-        return None
-    if p.is_meta and not is_deferred(p):
-        raise ValueError(
-            "tensor parallelism needs parameter values to slice; build the model normally or under "
-            "smp.delay_param_initialization(), not on the meta device"
-        )
-    if comm.rank == 0 or comm.size == 1 or comm.group.handle is None:
-        value = materialize(p) if is_deferred(p) else p.detach()
-    else:
-        value = torch.empty(p.shape, dtype=p.dtype, device="cpu" if p.is_meta else p.device)
-    return nn.Parameter(comm.broadcast_from_first(value), requires_grad=p.requires_grad)
-
-
-def _column(linear: Any, comm: TPComm, **kw: Any) -> ColumnParallelLinear:
-    w = _full(linear.weight, comm)
-    if w is None:
-        raise AssertionError(f"{type(linear).__name__} without a weight")
-    return ColumnParallelLinear(w, _full(linear.bias, comm), comm, transposed=_is_conv1d(linear), **kw)
-
-
-def _row(linear: Any, comm: TPComm) -> RowParallelLinear:
-    w = _full(linear.weight, comm)
-    if w is None:
-        raise AssertionError(f"{type(linear).__name__} without a weight")
-    return RowParallelLinear(w, _full(linear.bias, comm), comm, transposed=_is_conv1d(linear))
-
-
-def _is_conv1d(m: nn.Module) -> bool:
-    return type(m).__name__ == "Conv1D"  # transformers.pytorch_utils.Conv1D: weight is [in, out]
-
-
-def _copy_output_to_tp(comm: TPComm) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:
-    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return copy_to_tp_region(output, comm)
-
-    return hook
-
-
-# ---- per-family block conversion ---------------------------------------------------------------
-
-
-def _convert_neox_block(layer: Any, comm: TPComm, include: Include) -> None:
-    if include(layer.attention):
-        att = layer.attention
-        att.query_key_value = _column(att.query_key_value, comm)  # rows grouped per head: [q k v] x heads
-        att.dense = _row(att.dense, comm)
-    if include(layer.mlp):
-        layer.mlp.dense_h_to_4h = _column(layer.mlp.dense_h_to_4h, comm)
-        layer.mlp.dense_4h_to_h = _row(layer.mlp.dense_4h_to_h, comm)
-
-
-def _convert_llama_block(layer: Any, comm: TPComm, include: Include) -> None:
-    # The norm's output feeds only q/k/v (resp. gate/up): ONE copy_to_tp region on it makes backward
-    # all-reduce their summed input grad once, instead of once per projection.
-    att, mlp = layer.self_attn, layer.mlp
-    if include(att):
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(att, name, _column(getattr(att, name), comm, copy_input=False))
-        att.o_proj = _row(att.o_proj, comm)
-        layer.input_layernorm.register_forward_hook(_copy_output_to_tp(comm))
-    if include(mlp):
-        mlp.gate_proj = _column(mlp.gate_proj, comm, copy_input=False)
-        mlp.up_proj = _column(mlp.up_proj, comm, copy_input=False)
-        mlp.down_proj = _row(mlp.down_proj, comm)
-        layer.post_attention_layernorm.register_forward_hook(_copy_output_to_tp(comm))
-
-
-def _convert_gpt2_block(layer: Any, comm: TPComm, include: Include) -> None:
-    att, mlp = layer.attn, layer.mlp
-    if include(att):
-        att.c_attn = _column(att.c_attn, comm, num_parts=3)  # [q | k | v]: each part split by heads
-        att.c_proj = _row(att.c_proj, comm)
-        # GPT2Attention splits c_attn's output with split_size: now the local width.
-        att.split_size //= comm.size
-        att.embed_dim //= comm.size
-        att.num_heads //= comm.size
-    if include(mlp):
-        mlp.c_fc = _column(mlp.c_fc, comm)
-        mlp.c_proj = _row(mlp.c_proj, comm)
-
-
-_BLOCKS: dict[str, tuple[str, Callable[[Any, TPComm, Include], None]]] = {  # HF modules: untyped attributes
-    "gpt_neox": ("GPTNeoXLayer", _convert_neox_block),
-    "llama": ("LlamaDecoderLayer", _convert_llama_block),
-    "gpt2": ("GPT2Block", _convert_gpt2_block),
-}
-
-
 # ---- embeddings ---------------------------------------------------------------------------------
 
 
-def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    for name, m in root.named_modules():
-        if m is old:
-            parent_name, _, leaf = name.rpartition(".")
-            setattr(root.get_submodule(parent_name), leaf, new)
-            return
-    raise AssertionError(f"{type(old).__name__} not found under {type(root).__name__}")
+def _replace_everywhere(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Every place `old` is registered (a module may sit under two names) now holds `new`."""
+    places = [name for name, m in root.named_modules(remove_duplicate=False) if m is old]
+    if not places:
+        raise AssertionError(f"{type(old).__name__} not found under {type(root).__name__}")
+    for name in places:
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(root.get_submodule(parent_name), leaf, new)
+
+
+def _retie(root: nn.Module, old: torch.Tensor | None, new: torch.Tensor | None) -> None:
+    """Parameters registered elsewhere as `old` (BERT's cls.predictions.bias is its decoder's bias) are `new`."""
+    if old is None or new is None:
+        return
+    for module in root.modules():
+        for name, p in list(module._parameters.items()):
+            if p is old:
+                module._parameters[name] = new  # type: ignore[assignment]
 
 
 def _embeddings(model: Any) -> tuple[Any, Any, bool]:
@@ -226,29 +112,78 @@ def _check_tied_embeddings(model: Any, include: Include) -> None:
     )
 
 
-def _convert_embeddings(model: Any, comm: TPComm, include: Include, vocab_parallel_loss: bool) -> None:
-    emb, head, tied = _embeddings(model)
-    new_emb: VocabParallelEmbedding | None = None
+def _embed_scale(emb: nn.Module, what: str) -> torch.Tensor | None:
+    """The factor of a scaled embedding (Gemma's GemmaTextScaledWordEmbedding); TypeError for another
+    embedding class with a forward of its own, whose behaviour the vocab-parallel lookup would drop."""
+    scale = getattr(emb, "embed_scale", None)
+    if isinstance(scale, torch.Tensor):
+        return scale
+    if type(emb).forward is not nn.Embedding.forward:
+        raise TypeError(
+            f"the {what} is a {type(emb).__name__} with its own forward; tensor parallelism splits a plain "
+            "nn.Embedding (or one scaled by embed_scale) only. Use tensor_parallel_degree=1 for this model"
+        )
+    return None
+
+
+def _uses_loss_function(model: nn.Module) -> bool:
+    # causal LMs compute their loss with self.loss_function (which the vocab-parallel loss replaces);
+    # others (BERT's MLM, T5) call CrossEntropyLoss on full logits themselves
+    name = type(model).__name__
+    return name.endswith("ForCausalLM") or name == "GPT2LMHeadModel"
+
+
+def _check_embeddings(model: Any, include: Include, vocab_parallel_loss: bool) -> None:
+    """Everything _convert_embeddings would refuse, raised before the model changes."""
+    emb, head, _ = _embeddings(model)
     if include(emb):
-        weight = _full(emb.weight, comm)
-        if weight is None:
-            raise AssertionError("input embedding without a weight")
-        new_emb = VocabParallelEmbedding(weight, comm, padding_idx=emb.padding_idx)
-        _replace(model, emb, new_emb)
+        _embed_scale(emb, "input embedding")
     if head is None or not include(head):
         if vocab_parallel_loss:
             raise ValueError("vocab_parallel_loss=True needs the LM head converted to tensor parallelism")
         return
-    new_head = _column(head, comm, gather_output=not vocab_parallel_loss)
+    if vocab_parallel_loss and not _uses_loss_function(model):
+        raise ValueError(
+            f"vocab_parallel_loss=True replaces a causal LM's loss_function; {type(model).__name__} computes its "
+            "loss on full logits itself. Use vocab_parallel_loss=False (the logits are all-gathered)"
+        )
+    if type(head).forward is not nn.Linear.forward:
+        raise TypeError(
+            f"the LM head is a {type(head).__name__} with its own forward; tensor parallelism splits a plain "
+            "nn.Linear only (its forward would be lost). Use tensor_parallel_degree=1 for this model"
+        )
+
+
+def _convert_embeddings(model: Any, comm: TPComm, include: Include, vocab_parallel_loss: bool) -> None:
+    emb, head, tied = _embeddings(model)
+    new_emb: VocabParallelEmbedding | None = None
+    if include(emb):
+        weight = full_value(emb.weight, comm)
+        if weight is None:
+            raise AssertionError("input embedding without a weight")
+        new_emb = VocabParallelEmbedding(
+            weight, comm, padding_idx=emb.padding_idx, embed_scale=_embed_scale(emb, "input embedding")
+        )
+        # T5: shared, encoder.embed_tokens and decoder.embed_tokens are three modules with one weight
+        others = [m for m in model.modules() if m is not emb and getattr(m, "weight", None) is emb.weight]
+        _replace_everywhere(model, emb, new_emb)
+        for other in others:
+            if isinstance(other, nn.Embedding):
+                _replace_everywhere(model, other, new_emb)
+    if head is None or not include(head):
+        return
+    new_head = column(head, comm, gather_output=not vocab_parallel_loss)
+    _retie(model, head.bias, new_head.bias)
     if tied and new_emb is not None:
         new_head.weight = new_emb.weight  # stay tied: one parameter, one vocabulary split
-    _replace(model, head, new_head)
+    _replace_everywhere(model, head, new_head)
     if vocab_parallel_loss:
         model.loss_function = VocabParallelCausalLMLoss(comm)
 
 
 # config attributes of the dropout on attention probabilities, which runs inside the TP region
-_ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout")
+# (T5's dropout_rate covers its attention weights too)
+_ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob", "dropout_rate")
 
 
 def _warn_attention_dropout(config: Any, tp: int) -> None:
@@ -274,7 +209,7 @@ def convert_hf_model(
     the model's loss is the vocab-parallel cross-entropy; otherwise the logits are all-gathered and the
     model's own loss runs on them unchanged.
     """
-    family = _family(model)
+    model_type, family = family_of(getattr(model, "config", None), type(model).__name__)
     converted = next((name for name, m in model.named_modules() if isinstance(m, TPLayer)), None)
     if converted is not None:
         raise ValueError(
@@ -282,18 +217,26 @@ def convert_hf_model(
             "converting again would split the split weights. Convert once: either convert_hf_model, or "
             "smp.DistributedModel(tensor_parallelism=True) / smp.tensor_parallelism(), not both"
         )
-    check_tp_divisibility(model.config, comm.size)
+    config = model.config
+    check_tp_divisibility(config, comm.size)
+    plan = plan_of(config, family)
+    check_styles(plan, family)
     if not hasattr(model, "get_input_embeddings"):
         raise TypeError(f"{type(model).__name__} has no get_input_embeddings(); pass a Hugging Face model")
     choose = include or (lambda m: True)
-    block_class, convert_block = _BLOCKS[family]
-    blocks = [m for m in model.modules() if type(m).__name__ == block_class]
-    if not blocks:
-        raise TypeError(f"no {block_class} found in {type(model).__name__}; nothing to split")
     _check_tied_embeddings(model, choose)
-    _warn_attention_dropout(model.config, comm.size)
-    for block in blocks:
-        convert_block(block, comm, choose)
+    _check_embeddings(model, choose, vocab_parallel_loss)
+    _warn_attention_dropout(config, comm.size)
+    emb, head, _ = _embeddings(model)
+    embeddings = {id(m) for m in model.modules() if m is head or getattr(m, "weight", None) is emb.weight}
+    base = getattr(model, "base_model", model)
+    if not apply_plan(base, plan, family, comm, choose, skip=lambda m: id(m) in embeddings) and all(
+        choose(m) for m in model.modules()
+    ):
+        raise TypeError(
+            f"the {family.label} tensor-parallel plan matched no module of {type(model).__name__} "
+            f"(model_type={model_type!r}); nothing to split"
+        )
     _convert_embeddings(model, comm, choose, vocab_parallel_loss)
     return model
 

@@ -143,9 +143,22 @@ class VocabParallelEmbedding(TPLayer):
     """Embedding rows (the vocabulary) split over the TP group; each rank looks up the ids in its
     slice, zeros the others, and the TP group sums: exactly one rank contributes each row."""
 
-    def __init__(self, weight: torch.Tensor, comm: TPComm, *, padding_idx: int | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        comm: TPComm,
+        *,
+        padding_idx: int | None = None,
+        embed_scale: torch.Tensor | None = None,
+    ) -> None:
+        """`embed_scale`: a scaled embedding's factor (Gemma's sqrt(hidden_size)), kept as its
+        non-persistent buffer and applied in the weight's dtype, as the Hugging Face module does."""
         super().__init__()
         self.comm = comm
+        self.embed_scale: torch.Tensor | None
+        self.register_buffer(
+            "embed_scale", None if embed_scale is None else embed_scale.detach().clone(), persistent=False
+        )
         self._weight_split = TPSplit(dim=0, size=comm.size)
         self.num_embeddings, self.embedding_dim = weight.shape
         self._weight_split.check_full_dim(self.num_embeddings, f"vocabulary of a {tuple(weight.shape)} embedding")
@@ -170,18 +183,46 @@ class VocabParallelEmbedding(TPLayer):
         local_pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
         out = F.embedding(local_ids, self.weight, padding_idx=local_pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.embed_scale is not None:  # zeros stay zeros: the one rank holding a row scales it
+            out = out * self.embed_scale.to(self.weight.dtype)
         return reduce_from_tp_region(out, self.comm)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end})"
 
 
+class HeadParallelEmbedding(TPLayer):
+    """An embedding whose columns are attention heads (T5's relative_attention_bias, [buckets, heads]):
+    columns split over the TP group, output kept local -- each rank looks up the bias of its own heads,
+    as a column-parallel projection hands on its own heads."""
+
+    def __init__(self, weight: torch.Tensor, comm: TPComm) -> None:
+        super().__init__()
+        self.comm = comm
+        self._weight_split = TPSplit(dim=1, size=comm.size)
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self._weight_split.check_full_dim(self.embedding_dim, f"head columns of a {tuple(weight.shape)} embedding")
+        self.weight = _local_param(weight, self._weight_split, comm.rank)
+
+    def tp_splits(self) -> dict[str, TPSplit]:
+        return {"weight": self._weight_split}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)  # ids are the same on every TP rank: nothing to reduce
+
+    def extra_repr(self) -> str:
+        local = self.embedding_dim // self.comm.size
+        return f"{self.num_embeddings}, {self.embedding_dim} ({local} on TP rank {self.comm.rank})"
+
+
 def tp_split_table(root: nn.Module) -> dict[str, TPSplit]:
     """FQN (as in `root.named_parameters(remove_duplicate=False)`) -> TPSplit of every TP-split
-    parameter under `root`; empty for a model without TP layers. Tied parameters appear under each name."""
-    table: dict[str, TPSplit] = {}
-    for name, module in root.named_modules(remove_duplicate=False):
+    parameter under `root`; empty for a model without TP layers. Tied parameters appear under each
+    name, also where the other name belongs to a plain module (BERT's cls.predictions.bias is the
+    LM head's bias)."""
+    by_param: dict[int, TPSplit] = {}
+    for module in root.modules():
         if isinstance(module, TPLayer):
             for pname, split in module.tp_splits().items():
-                table[f"{name}.{pname}" if name else pname] = split
-    return table
+                by_param[id(getattr(module, pname))] = split
+    return {name: by_param[id(p)] for name, p in root.named_parameters(remove_duplicate=False) if id(p) in by_param}

@@ -17,6 +17,7 @@ from torch import nn
 
 import shardpar as smp
 from shardpar.api.summary import summarize
+from shardpar.checkpoint.convert import read_shardpar
 from tests import models
 from tests.multiproc.frozen_cases import lora
 
@@ -119,6 +120,11 @@ def adapter_checkpoint_case(root: str, sdp_save: int, sdp_resume: int) -> dict[s
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]  # zero at init, non-zero when trained
     out["untouched"] = all(p.full_tensor().abs().max().item() == 0 for p in lora_b)
     if smp.rank() == 0:
+        try:  # `shardpar convert` of it would be a model without its base: refused
+            read_shardpar(ckpt)
+            out["convert_refused"] = ""
+        except smp.CheckpointError as e:
+            out["convert_refused"] = str(e)
         out["files"] = {p.name: p.stat().st_size for p in (ckpt / "t_partial").iterdir()}
         out["index"] = json.loads((ckpt / "t_partial" / "index.json").read_text())
     return out

@@ -75,6 +75,8 @@ def _live_report(live: dict[int, memory.Storage], model: Any, opt: Any) -> dict[
     return {
         "bytes": float(memory.total_bytes(live)),
         "unlisted": memory.largest(unlisted),
+        # only when a bound may be broken: the walk is slow on a big heap
+        "holders": memory.holders(sorted(unlisted, key=lambda p: -unlisted[p].nbytes)) if len(unlisted) > 4 else [],
         "listed_unseen": [s.example for ptr, s in listed.items() if ptr not in live],
     }
 

@@ -66,6 +66,18 @@ def _same(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
 
 
+def gathered(value: Any) -> Any:
+    """A (nested) state dict with every ShardedTensor replaced by its `full_tensor()` (a collective per
+    tensor; every rank walks the same dict in the same order)."""
+    if isinstance(value, ShardedTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return {k: gathered(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(gathered(v) for v in value)
+    return value
+
+
 def state_dict_functions_case() -> dict[str, Any]:
     smp.init(dict(CONFIG))
     out: dict[str, Any] = {}
@@ -91,31 +103,33 @@ def state_dict_functions_case() -> dict[str, Any]:
     ):
         ours = get_state_dict(model, opt, options=options)
         theirs = get_state_dict(ref, ref_opt, options=options)
-        out[name] = _same(ours, theirs)
+        # without full_state_dict, FSDP2's default, the parameters come sharded (as FSDP2's DTensors)
+        out[f"{name}_types"] = sorted({type(v).__name__ for v in ours[0].values()})
+        out[name] = _same(gathered(ours), theirs)
         out[f"{name}_sizes"] = (len(ours[0]), len(ours[1]))
-    out["model_only"] = _same(get_model_state_dict(model), get_model_state_dict(ref))
+    out["model_only"] = _same(gathered(get_model_state_dict(model)), get_model_state_dict(ref))
     # a plain torch optimizer over model.parameters() (it steps the ShardedTensors themselves)
     plain = smp.DistributedModel(models.tiny_neox(0))
     plain_opt = _adamw(plain)
     for seed in (1, 2):
         _step(plain, plain_opt, seed)
-    out["plain_optimizer"] = _same(get_state_dict(plain, plain_opt), get_state_dict(ref, ref_opt))
-    out["optim_only"] = _same(get_optimizer_state_dict(model, opt), get_optimizer_state_dict(ref, ref_opt))
+    out["plain_optimizer"] = _same(gathered(get_state_dict(plain, plain_opt)), get_state_dict(ref, ref_opt))
+    out["optim_only"] = _same(gathered(get_optimizer_state_dict(model, opt)), get_optimizer_state_dict(ref, ref_opt))
     # set_state_dict: one process's state dicts into a fresh model and optimizer (another init), then
     # one more step on each side: the same parameters, so the loaded Adam moments and steps were used
     model_sd, optim_sd = get_state_dict(ref, ref_opt)
     fresh = smp.DistributedModel(models.tiny_neox(1))
     fresh_opt = smp.DistributedOptimizer(_adamw(fresh))
     set_state_dict(fresh, fresh_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    out["loaded"] = _same(get_state_dict(fresh, fresh_opt), get_state_dict(ref, ref_opt))
+    out["loaded"] = _same(gathered(get_state_dict(fresh, fresh_opt)), get_state_dict(ref, ref_opt))
     flat_sd = get_optimizer_state_dict(ref, ref_opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
     flat_fresh = smp.DistributedModel(models.tiny_neox(1))
     flat_opt = smp.DistributedOptimizer(_adamw(flat_fresh))
     set_state_dict(flat_fresh, flat_opt, model_state_dict=model_sd, optim_state_dict=flat_sd)
-    out["loaded_flat"] = _same(get_optimizer_state_dict(flat_fresh, flat_opt), optim_sd)
+    out["loaded_flat"] = _same(gathered(get_optimizer_state_dict(flat_fresh, flat_opt)), optim_sd)
     _step(ref, ref_opt, 3)
     _step(fresh, fresh_opt, 3)
-    out["stepped_after_load"] = _same(get_state_dict(fresh, fresh_opt), get_state_dict(ref, ref_opt))
+    out["stepped_after_load"] = _same(gathered(get_state_dict(fresh, fresh_opt)), get_state_dict(ref, ref_opt))
     try:
         get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         out["broadcast"] = "no error"

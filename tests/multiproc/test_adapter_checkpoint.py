@@ -40,3 +40,4 @@ def test_adapter_only_checkpoint_resumes_at_another_sdp_and_refuses_another_base
         assert 0 <= r["save_pretrained_gathered"] <= r["trainable_bytes"], r["save_pretrained_gathered"]
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(r0["peft_files"]), r0["peft_files"]
     assert r0["peft_diff"] == 0.0, r0["peft_diff"]
+    assert "adapter-only" in r0["convert_refused"] and "partial=False" in r0["convert_refused"], r0["convert_refused"]

@@ -51,7 +51,8 @@ def test_model_state_memory_is_divided_by_sdp(ranks, sdp: int) -> None:
             bound = 1.05 * share * r["total"] / sdp + r["persistent"] + extras
             assert live["bytes"] <= bound, (
                 f"rank {rank} {when}: {live['bytes']:.0f} B of live tensors > {bound:.0f} B; "
-                f"allowance {r['extras']}; largest storages outside model state: {live['unlisted']}"
+                f"allowance {r['extras']}; largest storages outside model state: {live['unlisted']}; "
+                f"held by {live['holders']}"
             )
 
 

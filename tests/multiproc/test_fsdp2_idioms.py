@@ -13,6 +13,10 @@ def test_state_dict_functions_and_full_tensor_match_one_process(ranks) -> None:
         assert res["full_tensor"] == [] and res["full_tensor_type"] == ["Tensor"], res["full_tensor"]
         for name in ("default", "full", "full_cpu", "flat", "frozen", "model_only", "optim_only", "plain_optimizer"):
             assert res[name] == [], f"rank {rank} {name}: {res[name][:3]}"
+        # FSDP2's default is sharded (DTensors there, ShardedTensors here); full_state_dict gives plain tensors
+        for name in ("default", "flat", "frozen"):
+            assert res[f"{name}_types"] == ["ShardedTensor"], (name, res[f"{name}_types"])
+        assert res["full_types"] == ["Tensor"] and res["full_cpu_types"] == (["Tensor"] if rank == 0 else [])
         # state for every parameter in both groups, and cpu_offload with full_state_dict leaves rank 0 alone
         assert res["default_sizes"][0] > 0 and res["default_sizes"][1] == 2
         assert res["full_cpu_sizes"] == (res["default_sizes"] if rank == 0 else (0, 0)), res["full_cpu_sizes"]

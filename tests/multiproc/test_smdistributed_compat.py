@@ -26,6 +26,8 @@ def test_an_unedited_v1_script_runs_on_two_ranks_under_torchrun(tmp_path: Path) 
         assert r["is_sagemaker_mp_enabled"] and r["smp_is_shardpar"] and r["sdp"] == 2, r
         assert all(a > b for a, b in pairwise(r["losses"])), r["losses"]
         assert r["gathered_rows_are_the_batch"]  # smp_gather put rank 0's rows, then rank 1's
+        # Trainer.save_model's SMP branch: rank 0 alone writes the state dict every rank gathered
+        assert "model.safetensors" in r["saved"], r["saved"]
     # Both ranks read different rows but hold one model: the sharded steps reduced their gradients.
     assert results[0]["losses"] != results[1]["losses"]
     assert results[0]["checksum"] == results[1]["checksum"]

@@ -25,6 +25,7 @@ from shardpar.tensor_parallel import (
 )
 from tests import models
 from tests.multiproc.parity import ADAM, _param_groups
+from tests.tp_families import FAMILY_BUILDERS
 
 
 def tiny_llama(seed: int = 0) -> nn.Module:
@@ -54,8 +55,8 @@ def tiny_gpt2(seed: int = 0) -> nn.Module:
     return models.tiny_gpt2_tied(seed)
 
 
-BUILDERS = {"neox": tiny_neox_untied, "llama": tiny_llama, "gpt2_tied": tiny_gpt2}
-VOCAB = {"neox": 96, "llama": 98, "gpt2_tied": 96}
+BUILDERS = {"neox": tiny_neox_untied, "llama": tiny_llama, "gpt2_tied": tiny_gpt2, **FAMILY_BUILDERS}
+VOCAB = {name: 98 if name == "llama" else 96 for name in BUILDERS}
 TP_KNOBS = {"tensor_parallel_degree": 2, "prescaled_batch": True}
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from shardpar.checkpoint import index as ix
+from shardpar.checkpoint.safetensors_io import CheckpointError
 
 
 def _round_trip(value: object) -> object:
@@ -65,3 +67,14 @@ def test_user_content_keeps_int_keys_counters_numpy_and_hf_configs() -> None:
 def test_other_objects_are_refused_naming_their_path() -> None:
     with pytest.raises(TypeError, match=r"user_content\['opt'\]\[1\]: a object cannot be stored .*no pickle"):
         ix.encode({"opt": [1, object()]}, where="user_content")
+
+
+def test_a_file_where_a_checkpoint_directory_belongs_is_named_a_file_with_where_it_loads(tmp_path: Path) -> None:
+    """Issue 30 item 6: SMP v1's fullmodel.pt handed to a loader of checkpoint directories said
+    "checkpoint directory is missing" of a file that exists."""
+    file = tmp_path / "fullmodel.pt"
+    file.write_bytes(b"not a directory")
+    with pytest.raises(CheckpointError, match=r"fullmodel\.pt is a file, not a checkpoint directory .* partial=False"):
+        ix.read_index(file)
+    with pytest.raises(CheckpointError, match="checkpoint directory is missing"):
+        ix.read_index(tmp_path / "nothing")

@@ -9,6 +9,7 @@ Run by tests/unit/test_smdistributed_compat.py (1 rank) and tests/multiproc/test
 
 import json
 import sys
+from pathlib import Path
 
 import smdistributed.modelparallel.torch as smp
 import torch
@@ -18,7 +19,8 @@ smp.init()
 torch.manual_seed(0)
 # use_cache=False as training scripts set it: a key/value cache among the outputs is not a tensor to concat.
 config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, use_cache=False)
-model = smp.DistributedModel(transformers.GPT2LMHeadModel(config))
+hf_model = transformers.GPT2LMHeadModel(config)
+model = smp.DistributedModel(hf_model)
 optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
 
 
@@ -68,8 +70,25 @@ try:
 except Exception as err:
     evaluation = {"error": f"{type(err).__name__}: {err}"}
 
+
+def save_model(directory):
+    """Trainer.save_model's SMP branch: the state dict gathered on every rank, then Trainer._save on the
+    process that should save: the plain model's save_pretrained, on rank 0 alone."""
+    state_dict = model.state_dict()
+    if smp.rank() == 0:
+        hf_model.save_pretrained(directory, state_dict=state_dict)
+    smp.barrier()
+    return sorted(p.name for p in Path(directory).iterdir())
+
+
+try:
+    saved = save_model(sys.argv[1] + ".saved")
+except Exception as err:
+    saved = [f"{type(err).__name__}: {err}"]
+
 result = {
     "rank": smp.rank(),
+    "saved": saved,
     "is_sagemaker_mp_enabled": transformers.utils.is_sagemaker_mp_enabled(),
     "smp_is_shardpar": smp.init.__module__.startswith("shardpar"),
     "sdp": smp.state.cfg.sharded_data_parallel_degree,
