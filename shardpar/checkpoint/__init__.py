@@ -253,17 +253,18 @@ def resume_from_checkpoint(
     if partial:
         job: _reshard.LoadJob | None = None
 
-        def check() -> None:
+        def check() -> Any:
             nonlocal job
             name = tag if tag is not None else atomic.read_pointer(root, "newest")
             job = _reshard.LoadJob(
                 root / f"{name}{ix.PARTIAL_SUFFIX}", model, optimizer, strict, load_optimizer, world=topology.plan.world
             )
-            job.check()
+            return job.check()
 
-        coord.gather("resume_from_checkpoint", check)
+        hashes = coord.gather("resume_from_checkpoint", check)
         if job is None:
             raise AssertionError("checked load job missing")
+        job.verify_base(hashes)  # the same reports on every rank: all refuse a different base, or none
         content = job.apply()
         _snapshot_load.last.clear()
         _snapshot_load.last.update(
@@ -287,7 +288,8 @@ def load_consolidated(path: PathLike, tag: str | None = None) -> Iterator[tuple[
     """Offline, one process: (name, full tensor) of every parameter and buffer of a partial checkpoint.
 
     The conversion ZeRO-3 users run by hand, needed here only to leave shardpar: `dict(...)` of it
-    is the unwrapped model's state_dict (tied parameters under their first name); TP-split
+    is the unwrapped model's state_dict (tied parameters under their first name) -- without the frozen
+    parameters of an adapter-only checkpoint, which it records by checksum only; TP-split
     parameters come back in the original (Hugging Face) layout, whatever tensor parallelism saved them.
     """
     if tag is not None:

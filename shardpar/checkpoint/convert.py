@@ -30,7 +30,7 @@ import torch
 from shardpar.checkpoint import atomic, dcp_files, reshard
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.placement import Cut
-from shardpar.checkpoint.safetensors_io import dtype_name, dtype_of, write_tensors
+from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name, dtype_of, write_tensors
 
 FORMATS = ("shardpar", "dcp", "hf")
 HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -77,6 +77,13 @@ def read_shardpar(src: Path) -> State:
     from shardpar.checkpoint import load_consolidated
 
     directory = _partial_dir(src)
+    frozen = list(ix.read_index(directory).get("frozen", {}))
+    if frozen:  # [Note: adapter-only checkpoints]: converted, it would be a model without its base
+        raise CheckpointError(
+            f"{directory}: an adapter-only partial checkpoint holds no values of its {len(frozen)} frozen "
+            f"parameters (e.g. {frozen[0]!r}), only their checksums; convert a full checkpoint "
+            "(smp.save_checkpoint(partial=False)) instead, or load the base from its own files"
+        )
     model = dict(load_consolidated(directory.parent, directory.name[: -len(ix.PARTIAL_SUFFIX)]))
     index = ix.read_index(directory)
     out = State(model, buffers=set(index["buffers"]))

@@ -22,7 +22,9 @@ ranges it needs.
                   files:   {name: {bytes, tensors: {key: [dtype, shape]},
                                   checksums: {key: "crc32:<8 hex>"} (absent before checksums were added)}},
                   params:  {fqn: {shape, dtype, tp?: {dim, size, num_parts},
-                                  pieces: [[file, start, length, tp_rank], ...]}},
+                                  pieces: [[file, start, length, tp_rank], ...]}},   parameters that train
+                  frozen?: {fqn: {shape, dtype, tp?, checksums: ["crc32:<8 hex>" per TP rank]}},
+                           parameters that do not: a fingerprint, no values (fingerprint.py; version 3)
                   buffers: {name: {file, dtype, shape}},
                   optimizer: null | {class, param_groups: [{params: [fqn...], options}],
                                      state: {fqn: {tensors: {name: dtype}, scalars: {name: value}}}},
@@ -42,13 +44,14 @@ from typing import Any
 
 import torch
 
-from shardpar.checkpoint import objects
+from shardpar.checkpoint import checksum, objects
 from shardpar.checkpoint.placement import Cut
 from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name, dtype_of, tensor_nbytes
 
 FORMAT = "shardpar.partial"
-VERSION = 2  # 2: pieces carry a TP rank, params a `tp` cut; version 1 (no tensor parallelism) still reads
-READS_VERSIONS = (1, 2)
+VERSION = 3  # 3: a "frozen" section (fingerprint.py); 2: pieces carry a TP rank, params a `tp` cut
+VERSION_WITHOUT_FROZEN = 2  # what a checkpoint of a model without frozen parameters is written as
+READS_VERSIONS = (1, 2, 3)
 INDEX_NAME = "index.json"
 RNG_FILE = "rng.safetensors"
 PARTIAL_SUFFIX = "_partial"
@@ -216,6 +219,12 @@ def _check_index(index: dict[str, Any], label: str) -> None:
             mine = sorted((p for p in pieces if p.tp_rank == tp_rank), key=lambda p: p.start)
             where = f"parameter {fqn!r}" + (f" (TP rank {tp_rank} of {cut.size})" if cut.size > 1 else "")
             _check_cover(mine, cut.local_numel, wanted, files, label, where)
+    for fqn, entry in index.get("frozen", {}).items():
+        n = cut_of(entry).size
+        sums = entry.get("checksums")
+        _expect(isinstance(sums, list) and len(sums) == n, label, f"frozen {fqn!r}: {n} checksums expected")
+        for value in sums:
+            checksum.parse(value, where=f"{label}: frozen {fqn!r}")
     for name, entry in index["buffers"].items():
         got = files.get(entry["file"], {}).get("tensors", {}).get(buffer_key(name))
         _expect(got is not None, label, f"buffer {name!r}: {entry['file']!r} does not list it")

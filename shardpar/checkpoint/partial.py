@@ -8,7 +8,9 @@ every TP rank writes its pieces of the TP-split parameters (local pieces, placed
 parameter by the index's `tp` cut) and only TP rank 0 those of TP-replicated ones, which are equal
 on every TP rank. Optimizer state is keyed by parameter FQN, never by position:
 per-element tensors (Adam's exp_avg, exp_avg_sq, SGD's momentum_buffer, ...) are cut like the
-parameter, scalars (`step`) go to the JSON. Loading is reshard.py.
+parameter, scalars (`step`) go to the JSON. Parameters that do not train are not written: the writers
+hash their pieces instead and the index records the frozen base's fingerprint ([Note: adapter-only
+checkpoints] in fingerprint.py). Loading is reshard.py.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from shardpar.checkpoint import atomic
+from shardpar.checkpoint import atomic, fingerprint
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.owned_state import collect_owned
 from shardpar.checkpoint.pieces import Slot, fqn_of_piece, persistent_buffers, piece_of, slots, split_state
@@ -62,8 +64,10 @@ def collect_rank_file(
     pieces: dict[str, list[int]] = {}
     state_meta: dict[str, dict[str, Any]] = {}
     owned = {id(leaf) for _, leaf, _ in optimizer.owned_leaves()} if optimizer is not None else set()
-    for slot in slots(model):
-        if not writes(slot, coords):
+    every = slots(model)
+    frozen = fingerprint.rank_hashes((s, writes(s, coords)) for s in every)
+    for slot in every:
+        if slot.frozen or not writes(slot, coords):
             continue
         piece = piece_of(optimizer, slot.param) if optimizer is not None else None
         if piece is not None and id(piece) in owned:
@@ -85,7 +89,8 @@ def collect_rank_file(
     if coords.rank == 0:
         for name, buf in persistent_buffers(model).items():
             tensors[ix.buffer_key(name)] = buf
-    return tensors, {"pieces": pieces, "state": state_meta, "rng": _rng_report(), "file": None}
+    report = {"pieces": pieces, "state": state_meta, "frozen": frozen, "rng": _rng_report(), "file": None}
+    return tensors, report
 
 
 def write_collected(
@@ -150,7 +155,10 @@ class SaveJob:
         their `lr`, loss scaler, backward count) now: an async save commits after training moved on."""
         model, plan = self.model, self.model.topology.plan
         params: dict[str, Any] = {}
-        for slot in slots(model):  # rank 0's: every TP rank has the same FQNs, and the cut is the same
+        every = slots(model)
+        for slot in every:  # rank 0's: every TP rank has the same FQNs, and the cut is the same
+            if slot.frozen:
+                continue
             entry = {"shape": list(slot.cut.full_shape), "dtype": dtype_name(slot.value.dtype), "pieces": []}
             tp = ix.cut_entry(slot.cut)
             params[slot.fqn] = entry if tp is None else {**entry, "tp": tp}
@@ -160,6 +168,7 @@ class SaveJob:
         }
         self.frozen = {
             "params": params,
+            "frozen": fingerprint.entries(every),
             "buffers": buffers,
             "num_backward": model.window.num_backward,
             "topology": {"world": plan.world, "tp": plan.tp, "sdp": plan.sdp, "ranks_per_node": plan.ranks_per_node},
@@ -177,14 +186,21 @@ class SaveJob:
                 params[fqn]["pieces"].append([rep["file"]["name"], start, length, tp_rank])
         for entry in params.values():
             entry["pieces"].sort(key=lambda p: (p[3], p[1]))
+        base = frozen["frozen"]
+        sums = fingerprint.combine(
+            (rep.get("frozen", {}) for rep in self.reports), {f: ix.cut_of(e).size for f, e in base.items()}
+        )
+        for fqn, entry in base.items():
+            entry["checksums"] = sums[fqn]
         optimizer = frozen["optimizer"]
         if optimizer is not None:
             for rep in self.reports:  # first writer in rank order wins; writers of one parameter agree
                 for fqn, meta in rep["state"].items():
                     optimizer["state"].setdefault(fqn, meta)
-        return {
+        index = {
             "format": ix.FORMAT,
-            "version": ix.VERSION,
+            # version 3 only where it matters: a reader of version 2 would load nothing into the frozen base
+            "version": ix.VERSION if base else ix.VERSION_WITHOUT_FROZEN,
             "tag": self.tag,
             "checkpoint_id": self.checkpoint_id,
             "saved_at_ns": time.time_ns(),
@@ -199,6 +215,9 @@ class SaveJob:
             "rng": {"file": ix.RNG_FILE, "world": frozen["world"]},
             "user_content": self.user_content,
         }
+        if base:
+            index["frozen"] = base
+        return index
 
     def _optimizer_groups(self) -> dict[str, Any] | None:
         if self.optimizer is None:

@@ -42,6 +42,9 @@ class Slot:
     # shard_optimizer_state: this rank's piece is its own, not a copy held by every replica
     # ([Note: replica-sharded main], runtime/replica_shard.py)
     replica_owned: bool = False
+    # does not train (frozen at wrap time): a partial checkpoint records it by a fingerprint, not its
+    # values ([Note: adapter-only checkpoints] in fingerprint.py)
+    frozen: bool = False
 
     @property
     def tp_split(self) -> bool:
@@ -73,6 +76,7 @@ def slots(model: DistributedModel) -> list[Slot]:
                 cut,
                 rank,
                 piece.sharded and not piece.frozen and state.replica_sharded,  # a frozen shard: every replica's
+                piece.frozen or not piece.param.requires_grad,
             )
         )
     return out

@@ -24,9 +24,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from shardpar.checkpoint import fingerprint
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.owned_state import PREFIX as OWNED
 from shardpar.checkpoint.owned_state import load_owned, owned_files
+from shardpar.checkpoint.partial import writes
 from shardpar.checkpoint.pieces import Slot, buffer_shape_problems, fqn_of_piece, persistent_buffers, piece_of, slots
 from shardpar.checkpoint.placement import Cut, Segment, assemble, plan_fetch, reads
 from shardpar.checkpoint.safetensors_io import CheckpointError, check_file, dtype_of, misfit, verify_share
@@ -108,12 +110,14 @@ class LoadJob:
             return False
         return int(self.index["rng"]["world"]) == self.world and saved_tp == self.model.topology.plan.tp
 
-    def check(self) -> None:
-        """Everything that can fail, before anything is loaded (run on every rank, then agreed)."""
+    def check(self) -> fingerprint.RankHashes:
+        """Everything that can fail, before anything is loaded (run on every rank, then agreed); this rank's
+        hashes of the frozen base, for `verify_base` once every rank's are in."""
         self.index = ix.read_index(self.directory)
         if not self.model.all_sharded():
             raise ValueError("resume_from_checkpoint between training steps, not inside forward/backward")
         saved, mine = self.index["params"], {s.fqn: s for s in slots(self.model)}
+        base = self.index.get("frozen", {})
         problems = [
             f"{fqn}: full shape {list(s.cut.full_shape)} in the model, {saved[fqn]['shape']} in the checkpoint"
             for fqn, s in mine.items()
@@ -121,9 +125,10 @@ class LoadJob:
         ]
         buffers, saved_buffers = persistent_buffers(self.model), self.index["buffers"]
         problems += buffer_shape_problems(buffers, {b: entry["shape"] for b, entry in saved_buffers.items()})
+        problems += fingerprint.shape_problems(base, mine.values())
         if self.strict:
-            problems += [f"{f}: in the model, not in the checkpoint" for f in mine if f not in saved]
-            problems += [f"{f}: in the checkpoint, not in the model" for f in saved if f not in mine]
+            problems += [f"{f}: in the model, not in the checkpoint" for f in mine if f not in saved and f not in base]
+            problems += [f"{f}: in the checkpoint, not in the model" for f in [*saved, *base] if f not in mine]
             problems += [f"buffer {b}: not in the checkpoint" for b in buffers if b not in saved_buffers]
             problems += [f"buffer {b}: in the checkpoint, not in the model" for b in saved_buffers if b not in buffers]
         if problems:
@@ -141,6 +146,15 @@ class LoadJob:
             )
         recorded = ix.recorded_checksums(self.index, self._read_by_some_rank())
         verify_share(self.directory, recorded, rank=self.model.topology.rank, world=self.world)
+        coords = self.model.topology.coords
+        return fingerprint.rank_hashes((s, s.fqn in base and writes(s, coords)) for s in mine.values())
+
+    def verify_base(self, reports: list[fingerprint.RankHashes]) -> None:
+        """The frozen base the model holds against the checkpoint's fingerprint ([Note: adapter-only
+        checkpoints]); every rank gets every rank's hashes, so all raise or none does."""
+        mine = {s.fqn for s in slots(self.model)}
+        base = {f: e for f, e in self.index.get("frozen", {}).items() if f in mine}
+        fingerprint.verify(self.directory, base, reports)
 
     def _read_by_some_rank(self) -> Callable[[str], bool]:
         """Whether some rank's apply() reads tensor `key` (the same answer on every rank)."""

@@ -94,6 +94,10 @@ def estimate(args: argparse.Namespace) -> int:
     if device == "cpu":
         print("  (CPU: RSS with MALLOC_MMAP_THRESHOLD_=1048576, freed blocks going back to the OS; with glibc's "
               "defaults its heap keeps more, +11 to +32 % measured at 162M: docs/performance.md, Memory)")  # fmt: skip
+    if args.lora_rank is not None or args.frozen_dtype is not None:
+        from shardpar.cli.lora_estimate import print_lora
+
+        return print_lora(args, shape, setup, world)
     if args.link_gbps is not None:
         from shardpar.cli.cross_node import print_estimate
 
@@ -360,6 +364,8 @@ def _estimate_parser(sub: Any) -> None:
     e.add_argument("--node-secondary-shard", action="store_true", help="the sdp_node_secondary_shard knob")
     e.add_argument("--defer-cross-node-reduce", action="store_true", help="the sdp_defer_cross_node_reduce knob")
     e.add_argument("--quantize-cross-node", action="store_true", help="both sdp_quantize_cross_node_* knobs")
+    e.add_argument("--lora-rank", type=_COUNT, help="a LoRA fine-tune: adapters of rank R, the base frozen")
+    e.add_argument("--frozen-dtype", choices=("bf16", "int8", "nf4"), help="with --lora-rank (default bf16)")
     e.add_argument("--reference", action="store_true", help="check reference 003's configurations")
     e.set_defaults(func=estimate)
 

@@ -15,7 +15,9 @@ tensor parallelism, or it writes pieces (issue 20: every tensor of shape [0], a 
     are there (a barrier). transformers already writes from rank 0 only; PEFT would let every rank write
     the same files at once. Called on some ranks only it raises there ([Note: collective entry]).
     With a `state_dict=` given there is nothing to gather: rank 0 writes it, no collective, as plain
-    transformers does (its SMP branch calls it on rank 0 alone with the gathered state dict).
+    transformers does (its SMP branch calls it on rank 0 alone with the gathered state dict). A PEFT
+    model's gathers only its adapter's entries, never the frozen base (peft_state.py): PEFT writes
+    those alone.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardpar.runtime.peft_state import adapter_state_dict, is_peft_model
 from shardpar.runtime.sharded_tensor import ShardedTensor
 from shardpar.runtime.state_dict import TPLayout
 
@@ -103,7 +106,8 @@ def wrap_save_pretrained(
             # gathers model_wrapped.state_dict() on every rank, then calls this on rank 0 alone.
             return original(save_directory, *args, is_main_process=main, **kwargs)
         with gathering("save_pretrained()", SAVE_PRETRAINED_FIX):
-            kwargs["state_dict"] = module.state_dict()  # full, gathered on every rank
+            # full, gathered on every rank; a PEFT model's adapter entries alone
+            kwargs["state_dict"] = adapter_state_dict(module) if is_peft_model(module) else module.state_dict()
             try:
                 return original(save_directory, *args, is_main_process=main, **kwargs)
             finally:

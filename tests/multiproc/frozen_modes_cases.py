@@ -136,9 +136,10 @@ def finetune_case(modes: list[str], steps: int = 30, lr: float = 2e-3) -> dict[s
     return out
 
 
-def resume_case(root: str, mode: str) -> dict[str, float]:
-    """Under `mode`, a trained model's loss on a fixed batch; then the same after its partial checkpoint,
-    or its full state dict, is loaded into a model built from another base: the loaded base must be what
+def resume_case(root: str, mode: str) -> dict[str, Any]:
+    """Under `mode`, a trained model's loss on a fixed batch; then the same after its full checkpoint, or
+    its full state dict, is loaded into a model built from another base (its adapter-only partial
+    checkpoint is refused there): the loaded base must be what
     is gathered (int8 / nf4: its codes made again from the loaded shard, not the old base's)."""
     ids = torch.arange(32).view(2, 16) % 96
     knobs = {**KNOBS, "sdp_frozen_base_mode": mode}
@@ -154,17 +155,23 @@ def resume_case(root: str, mode: str) -> dict[str, float]:
     opt.step()
     opt.zero_grad()
     trained = probe(model)
-    smp.save_checkpoint(root, tag="t", model=model, optimizer=opt)
+    smp.save_checkpoint(root, tag="t", model=model, optimizer=opt)  # adapter-only: the base by fingerprint
+    smp.save_checkpoint(root, tag="full", model=model, partial=False)  # every weight
     state = {k: v.clone() for k, v in model.state_dict().items()}
     smp.shutdown()
-    out = {"trained": trained}
+    out: dict[str, Any] = {"trained": trained}
     for how in ("checkpoint", "state_dict"):
         smp.init(knobs)
         model = smp.DistributedModel(neox_lora(base_seed=5))
         opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         out[f"other_base_{how}"] = probe(model)
         if how == "checkpoint":
-            smp.resume_from_checkpoint(root, tag="t")
+            try:  # issue 33 item 3: a partial checkpoint does not replace the base; another base is refused
+                smp.resume_from_checkpoint(root, tag="t")
+                out["partial_refused"] = ""
+            except smp.CheckpointError as e:
+                out["partial_refused"] = str(e)
+            smp.resume_from_checkpoint(root, tag="full", partial=False)
         else:
             model.load_state_dict(state)
         out[how] = probe(model)

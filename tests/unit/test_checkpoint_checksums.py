@@ -8,6 +8,7 @@ damage on two ranks (every rank raises).
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 import zlib
@@ -206,3 +207,15 @@ def test_checkpoints_with_megabyte_tensors_round_trip_through_the_worker_thread(
     _flip(weights, key)
     with pytest.raises(CheckpointError, match=rf"tensor '{key}': checksum mismatch"):
         smp.resume_from_checkpoint(tmp_path, "big", partial=partial)
+
+
+def test_crc32_combine_is_the_crc_of_the_concatenation() -> None:
+    """fingerprint.py combines ranks' piece CRCs into the whole tensor's: zlib's crc32_combine."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (70_001,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    for cuts in ([0], [1], [35_000], [3, 4, 69_999], [10, 1000, 20_000, 50_000]):
+        bounds = [0, *cuts, len(data)]
+        value = checksum.start()
+        for lo, hi in itertools.pairwise(bounds):
+            value = checksum.crc32_combine(value, zlib.crc32(data[lo:hi]), hi - lo)
+        assert value == zlib.crc32(data), cuts
