@@ -81,3 +81,15 @@ def test_shutdown_removes_snapshots_only_on_a_normal_finish(monkeypatch: pytest.
     snapshot.written.clear()
     run(fail=False)
     assert not (tmp_path / "shm" / "shardpar-snap-j").exists()
+
+
+def test_owner_stepped_optimizer_is_refused_at_every_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Owner-held optimizer state (Adafactor: not element-wise) is not in a snapshot's pieces: refused at
+    once, not at the first snapshot step, and never a snapshot that resumes without the state."""
+    with init_world_of_one(monkeypatch, checkpoint_snapshot_dir=str(tmp_path / "shm"), checkpoint_snapshot_interval=2):
+        model = smp.DistributedModel(models.UnevenMLP())
+        opt = smp.DistributedOptimizer(torch.optim.Adafactor(model.parameters(), lr=1e-2))
+        _train_one(model, opt)
+        with pytest.raises(ValueError, match=r"checkpoint_snapshot_interval=0 and save with smp\.save_checkpoint"):
+            smp.save_snapshot(tmp_path / "ckpt", 1)
+        assert not (tmp_path / "shm").exists() or not any((tmp_path / "shm").rglob("*.snap"))
