@@ -127,25 +127,24 @@ def format_lora(e: LoraEstimate, frozen_dtype: str) -> str:
     def mib(n: int) -> str:
         return f"{n / MiB:10.1f} MiB"
 
-    return "\n".join(
-        [
-            f"  LoRA: {e.adapter_numel:,} adapter elements; frozen base {frozen_dtype}, sdp {e.sdp}",
-            f"    frozen base shard       {mib(e.frozen_sharded)}   (bf16, / sdp)",
-            f"    its {frozen_dtype} codes          {mib(e.frozen_codes)}   (what it gathers, 64-value blocks)"
-            if e.frozen_codes
-            else "",
-            f"    small frozen tensors    {mib(e.frozen_persistent)}   (whole: fp32 main, compute copy, grad)"
-            if e.frozen_persistent
-            else "",
-            f"    adapters                {mib(e.adapter_states)}   (fp32 main, compute copy, grad, optimizer)",
-            f"    model states per rank   {mib(e.model_states)}",
-            f"    gathered per use        {mib(e.gathered)}   (current + prefetched block, compute dtype)",
-            f"  checkpoint, adapter-only  {mib(e.checkpoint_adapter_only)}   (partial: adapters + optimizer state "
-            "+ base fingerprint)",
-            f"  ... storing the base      {mib(e.checkpoint_with_base)}",
-            f"  full export (fp32)        {mib(e.checkpoint_full)}",
-        ]
-    ).replace("\n\n", "\n")
+    lines = [
+        f"  LoRA: {e.adapter_numel:,} adapter elements; frozen base {frozen_dtype}, sdp {e.sdp}",
+        f"    frozen base shard       {mib(e.frozen_sharded)}   (bf16, / sdp)",
+        f"    its {frozen_dtype} codes          {mib(e.frozen_codes)}   (what it gathers, 64-value blocks)"
+        if e.frozen_codes
+        else "",
+        f"    small frozen tensors    {mib(e.frozen_persistent)}   (whole: fp32 main, compute copy, grad)"
+        if e.frozen_persistent
+        else "",
+        f"    adapters                {mib(e.adapter_states)}   (fp32 main, compute copy, grad, optimizer)",
+        f"    model states per rank   {mib(e.model_states)}",
+        f"    gathered per use        {mib(e.gathered)}   (current + prefetched block, compute dtype)",
+        f"  checkpoint, adapter-only  {mib(e.checkpoint_adapter_only)}   (partial: adapters + optimizer state "
+        "+ base fingerprint)",
+        f"  ... storing the base      {mib(e.checkpoint_with_base)}",
+        f"  full export (fp32)        {mib(e.checkpoint_full)}",
+    ]
+    return "\n".join(line for line in lines if line)  # the lines of modes not in use are empty
 
 
 def print_lora(args: argparse.Namespace, shape: ModelShape, setup: Any, world: int) -> int:
