@@ -8,10 +8,12 @@ and the way the runtime holds each kind of tensor:
                              (0.5625) -- the runtime keeps the exact bf16 shard beside the codes it
                              gathers (state dicts and checkpoints read the exact base), so a quantized
                              mode cuts the gathered bytes, not the stored ones
-    persistent tensors       (biases, layer norms, and adapters under sdp_param_persistence_threshold)
-                             whole on every rank: one flat fp32 main copy, a compute-dtype copy under
-                             bf16/fp16, and a main grad as large as the main copy (runtime/persistent.py
-                             keeps one flat buffer for all, frozen or not)
+    small frozen tensors     (the base's biases and layer norms) sharded with their unit's frozen
+                             shard whatever their size: only trained parameters persist
+                             (DistributedModel._split_persistent). Under int8 / nf4 they are not
+                             quantized (as in QLoRA): whole on every rank, fp32 main, compute copy, grad
+    persistent tensors       (adapters under sdp_param_persistence_threshold) whole on every rank: fp32
+                             main copy, a compute-dtype copy under bf16/fp16, an fp32 main grad
     adapters                 LoRA A (r x in) and B (out x r) on every attention and MLP linear of a
                              GPT-NeoX layer (query_key_value, dense, dense_h_to_4h, dense_4h_to_h):
                              r (8 hidden + 2 mlp width) per layer; fp32 main + compute copy + fp32 grad + optimizer
@@ -48,7 +50,7 @@ class LoraEstimate:
     adapter_numel: int
     frozen_sharded: int  # the frozen base's shard in bf16
     frozen_codes: int  # int8 / nf4: the quantized copy of that shard the runtime gathers
-    frozen_persistent: int  # small frozen tensors, whole: main + compute copy + main grad
+    frozen_persistent: int  # int8 / nf4: small frozen tensors, whole: main + compute copy + main grad
     adapter_states: int  # adapters: main + compute copy + grad + optimizer state
     gathered: int  # transient: the units gathered for compute (current + prefetched)
     checkpoint_adapter_only: int
@@ -99,8 +101,12 @@ def estimate_lora(
     whole = sum(n for n in adapters if n < persistence_threshold)
     split = sum(math.ceil(n / sdp) for n in adapters if n >= persistence_threshold)
     per_adapter = 4 + copy + 4 + state
-    sharded_base = sum(math.ceil(n / sdp) for n in shape.unit_numels)
-    blocks = [n for n, k in zip(shape.unit_numels, shape.kinds, strict=True) if k == "block"] or [0]
+    # every frozen tensor is sharded, the small ones with their unit (only trained parameters persist),
+    # except under a quantized base, whose small frozen tensors persist unquantized
+    quantized = frozen_dtype != "bf16"
+    totals = [u + (0 if quantized else p) for u, p in zip(shape.unit_numels, shape.persistent_per_unit, strict=True)]
+    sharded_base = sum(math.ceil(n / sdp) for n in totals)
+    blocks = [n for n, k in zip(totals, shape.kinds, strict=True) if k == "block"] or [0]
     fingerprint = FINGERPRINT_BYTES_PER_TENSOR * (12 * shape.num_layers + 4)  # a GPT-NeoX layer's 12 tensors
     adapter_ckpt = sum(adapters) * (4 + state) + fingerprint
     return LoraEstimate(
@@ -108,7 +114,7 @@ def estimate_lora(
         adapter_numel=sum(adapters),
         frozen_sharded=sharded_base * 2,
         frozen_codes=0 if frozen_dtype == "bf16" else math.ceil(sharded_base * FROZEN_BYTES[frozen_dtype]),
-        frozen_persistent=shape.persistent_numel * (4 + copy + 4),
+        frozen_persistent=shape.persistent_numel * (4 + copy + 4) if quantized else 0,
         adapter_states=(whole + split) * per_adapter,
         gathered=(2 * max(blocks) * c if sdp > 1 else 0),
         checkpoint_adapter_only=adapter_ckpt,
@@ -121,23 +127,24 @@ def format_lora(e: LoraEstimate, frozen_dtype: str) -> str:
     def mib(n: int) -> str:
         return f"{n / MiB:10.1f} MiB"
 
-    return "\n".join(
-        [
-            f"  LoRA: {e.adapter_numel:,} adapter elements; frozen base {frozen_dtype}, sdp {e.sdp}",
-            f"    frozen base shard       {mib(e.frozen_sharded)}   (bf16, / sdp)",
-            f"    its {frozen_dtype} codes          {mib(e.frozen_codes)}   (what it gathers, 64-value blocks)"
-            if e.frozen_codes
-            else "",
-            f"    small frozen tensors    {mib(e.frozen_persistent)}   (whole: fp32 main, compute copy, grad)",
-            f"    adapters                {mib(e.adapter_states)}   (fp32 main, compute copy, grad, optimizer)",
-            f"    model states per rank   {mib(e.model_states)}",
-            f"    gathered per use        {mib(e.gathered)}   (current + prefetched block, compute dtype)",
-            f"  checkpoint, adapter-only  {mib(e.checkpoint_adapter_only)}   (partial: adapters + optimizer state "
-            "+ base fingerprint)",
-            f"  ... storing the base      {mib(e.checkpoint_with_base)}",
-            f"  full export (fp32)        {mib(e.checkpoint_full)}",
-        ]
-    ).replace("\n\n", "\n")
+    lines = [
+        f"  LoRA: {e.adapter_numel:,} adapter elements; frozen base {frozen_dtype}, sdp {e.sdp}",
+        f"    frozen base shard       {mib(e.frozen_sharded)}   (bf16, / sdp)",
+        f"    its {frozen_dtype} codes          {mib(e.frozen_codes)}   (what it gathers, 64-value blocks)"
+        if e.frozen_codes
+        else "",
+        f"    small frozen tensors    {mib(e.frozen_persistent)}   (whole: fp32 main, compute copy, grad)"
+        if e.frozen_persistent
+        else "",
+        f"    adapters                {mib(e.adapter_states)}   (fp32 main, compute copy, grad, optimizer)",
+        f"    model states per rank   {mib(e.model_states)}",
+        f"    gathered per use        {mib(e.gathered)}   (current + prefetched block, compute dtype)",
+        f"  checkpoint, adapter-only  {mib(e.checkpoint_adapter_only)}   (partial: adapters + optimizer state "
+        "+ base fingerprint)",
+        f"  ... storing the base      {mib(e.checkpoint_with_base)}",
+        f"  full export (fp32)        {mib(e.checkpoint_full)}",
+    ]
+    return "\n".join(line for line in lines if line)  # the lines of modes not in use are empty
 
 
 def print_lora(args: argparse.Namespace, shape: ModelShape, setup: Any, world: int) -> int:

@@ -14,7 +14,7 @@ moment the bytes alive are summed; the peak is the largest sum. What is alive fo
                      views of their shard: nothing is gathered
     gather scratch   CPU only: a gather that goes to gloo (above the smddp engine's 16 MiB
                      SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES, or on the native engine) stages through
-                     temporaries of at most 2 x 32 MiB ([Note: gloo's gather temporary], native.py)
+                     temporaries of at most 2 x 4 MiB ([Note: gloo's gather temporary], native.py)
     activations      what each layer saves for backward (estimate.activation_bytes), kept from its forward
                      to its backward; the logits and the loss's fp32 working set from the LM head's
                      forward to its backward
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from shardpar.runtime.reducer import pack_in_order
 
-GATHER_CHUNK_BYTES = 32 << 20  # collectives/native.py GLOO_GATHER_CHUNK_BYTES
+GATHER_CHUNK_BYTES = 4 << 20  # collectives/native.py GLOO_GATHER_CHUNK_BYTES
 SMDDP_SCRATCH_BYTES = 16 << 20  # the default SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES (reference 003)
 
 

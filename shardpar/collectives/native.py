@@ -111,7 +111,11 @@ class _AllOf:
 # per worker thread is alive, measured 2 x 30 MiB for a 381 MiB output). A gloo call costs ~1 ms
 # fixed; a 309 MB gather at 4 ranks took as long in 32 MiB chunks as in one call, within this
 # machine's noise (4 repeats each, 2.2-6.7 s against 3.5-8.0 s under load).
-GLOO_GATHER_CHUNK_BYTES = 32 << 20
+# The chunk is 4 MiB, not 32: the temporaries (two chunks) must stay small against a unit, not as large
+# as one. With 32 MiB chunks a WideNet block of 33.6 MB (its two 2048 x 2048 weights and, since only
+# trained parameters persist, its biases) staged through a whole 32 MiB chunk: its gather's RSS peak was
+# two blocks (tests/multiproc/test_frozen.py, 67 MB against 37-51 MB in 4 MiB chunks; issue 33).
+GLOO_GATHER_CHUNK_BYTES = 4 << 20
 
 # [Note: ReduceScatter by exchange]
 # gloo's ReduceScatter is an AllReduce of the whole input: each rank sends (and receives) twice what a

@@ -26,6 +26,7 @@ from shardpar.runtime.boundary_cast import call_in_compute_dtype
 from shardpar.runtime.buffers import BufferSync
 from shardpar.runtime.frozen import FrozenShard
 from shardpar.runtime.frozen_modes import refuse_bitsandbytes, settle_frozen_mode
+from shardpar.runtime.frozen_quant import QUANTIZED
 from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
@@ -193,15 +194,27 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
 
     def _split_persistent(self, plans: list[UnitPlan]) -> tuple[list[tuple[str, nn.Parameter]], dict[int, int]]:
         """Take the persistent parameters out of the unit plans: (name, param) pairs, and the index of
-        the unit each came from (its modules hold it, runtime/user_params.py)."""
+        the unit each came from (its modules hold it, runtime/user_params.py).
+
+        Only trained parameters persist. A persistent parameter costs an fp32 main copy, a compute copy
+        and an fp32 main grad on every rank, which is what a trained one needs to skip its gathers; a
+        frozen one needs none of them, so however small it is sharded with its unit's frozen shard in its
+        own dtype (runtime/frozen.py) and gathered with it. At 168M under LoRA the frozen tensors under
+        the default threshold were 7.2M elements, 69 MiB a rank kept whole (issue 33).
+
+        Except under sdp_frozen_base_mode 'int8' / 'nf4': the frozen shard is quantized, and QLoRA
+        (bitsandbytes) quantizes the linear weights only; biases and layer norms stay in full precision,
+        so there the small frozen tensors persist as before."""
         threshold = self.shardpar_config.sdp_param_persistence_threshold
+        quantized = self.shardpar_config.sdp_frozen_base_mode in QUANTIZED
         persistent: list[tuple[str, nn.Parameter]] = []
         unit_of: dict[int, int] = {}
         for i, up in enumerate(plans):
-            keep = [(n, p) for n, p in up.params if p.numel() < threshold]
+            keep = [(n, p) for n, p in up.params if p.numel() < threshold and (p.requires_grad or quantized)]
+            kept = {id(p) for _, p in keep}
             persistent.extend(keep)
             unit_of.update((id(p), i) for _, p in keep)
-            up.params = [(n, p) for n, p in up.params if p.numel() >= threshold]
+            up.params = [(n, p) for n, p in up.params if id(p) not in kept]
         return persistent, unit_of
 
     def _hierarchical(self, knob: bool, node: Group, cross: Group) -> bool:

@@ -80,8 +80,8 @@ def adapter_checkpoint_case(root: str, sdp_save: int, sdp_resume: int) -> dict[s
     ckpt = Path(root) / "ckpt"
     model, opt = _wrap(sdp_save)
     summary = summarize(model, "-")  # the frozen base counts as sharded: no "nothing is sharded" warning
-    threshold = KNOBS["sdp_param_persistence_threshold"]
-    big = sum(1 for p in lora_model().parameters() if p.numel() >= threshold)  # all frozen: adapters are small
+    # every frozen tensor, however small: only trained parameters persist (the adapters are all trained)
+    big = sum(1 for p in lora_model().parameters() if not p.requires_grad)
     out["summary"] = (summary.sharded_tensors, big, summary.nothing_sharded)
     for step in range(2):
         _step(model, opt, step)

@@ -52,17 +52,24 @@ def lora_rss_case(checkpoint: bool | None, *, steps: int = 2, lr: float = 0.05) 
     counted from the step's start, the runtime's live peak; then single-process PEFT on the global batch."""
     mem._apply_mmap_threshold()
     world = 2
-    block = 2 * mem.WIDTH * mem.WIDTH  # a block's sharded (frozen) elements: its two weights
+    module = _wide_lora(checkpoint)
+    # A block's sharded (frozen) elements: its two weights and, since only trained parameters persist,
+    # its biases. The root's frozen tensors (inp, head, however small) are sharded too, and the root
+    # stays gathered through the step: the cap is one block beside it (+ padding to sdp per unit).
+    frozen = [(n, p.numel()) for n, p in module.named_parameters() if not p.requires_grad]
+    block = sum(k for n, k in frozen if ".blocks.0." in n)
+    root = sum(k for n, k in frozen if ".blocks." not in n)
+    cap = block + root + 2 * world
     smp.init(
         {
             "sharded_data_parallel_degree": 2,
             "sdp_param_persistence_threshold": PERSISTENCE,
-            "sdp_max_live_parameters": block,
+            "sdp_max_live_parameters": cap,
             "sdp_gradient_clipping": 0.0,
         }
     )
     rank = smp.rank()
-    model = smp.DistributedModel(_wide_lora(checkpoint))
+    model = smp.DistributedModel(module)
     model.set_live_trace(True)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
     backward_peaks, losses, freed_in_backward = [], [], []
@@ -99,6 +106,7 @@ def lora_rss_case(checkpoint: bool | None, *, steps: int = 2, lr: float = 0.05) 
     return {
         "block_bytes": block * 4,
         "block": block,
+        "cap": cap,
         "max_live": max_live,
         "backward_peaks": backward_peaks,
         "freed_in_backward": freed_in_backward,
@@ -133,9 +141,8 @@ def frozen_state_case(root: str, save: dict[str, Any], sdp: int) -> dict[str, An
     smp.init({**knobs, **save})
     model = smp.DistributedModel(_neox_lora(bf16_base=True))
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    frozen_numel = sum(
-        p.numel() for p in _neox_lora(bf16_base=True).parameters() if not p.requires_grad and p.numel() >= 1000
-    )
+    # every frozen tensor, however small (biases, layer norms): only trained parameters persist
+    frozen_numel = sum(p.numel() for p in _neox_lora(bf16_base=True).parameters() if not p.requires_grad)
     units = model.units
     g = torch.Generator().manual_seed(smp.rank())
     for _ in range(2):

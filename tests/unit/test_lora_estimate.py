@@ -35,6 +35,11 @@ def test_lora_estimate_counts_what_a_wrapped_peft_model_holds_and_saves(
         shards = [u.frozen.shard for u in model.units if u.frozen is not None]
         held = sum(s.numel() * s.element_size() for s in shards)
         assert e.frozen_sharded <= held <= e.frozen_sharded + 64 * len(shards)  # a few elements of padding
+        # the base's small tensors (layer norms, biases: under the threshold) are in those shards, in bf16:
+        # only trained parameters persist (no fp32 main, compute copy or grad for a frozen one)
+        small_frozen = [p for p in base.parameters() if not p.requires_grad and p.numel() < THRESHOLD]
+        assert small_frozen and all(p.requires_grad for p in model.persistent.params)
+        assert all(s.dtype == torch.bfloat16 for s in shards)
         ids = torch.randint(0, 96, (2, 8))
         model.backward(model(input_ids=ids, labels=ids).loss)
         opt.step()
