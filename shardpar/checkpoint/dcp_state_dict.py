@@ -103,7 +103,8 @@ def split_sharded(model: DistributedModel, state_dict: Mapping[str, Any], strict
                 rest[key] = value.full_tensor() if isinstance(value, ShardedTensor) else value
                 continue
             user = state.user_of(piece)
-            assert isinstance(user, ShardedTensor)
+            if not isinstance(user, ShardedTensor):
+                raise AssertionError(f"set_model_state_dict: the user parameter of {key} is not a ShardedTensor")
             if tuple(value.shape) != tuple(user.shape):
                 raise ValueError(
                     f"set_model_state_dict: {key} has shape {list(value.shape)} in the state dict, "

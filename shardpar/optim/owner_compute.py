@@ -172,7 +172,8 @@ class OwnerCompute:
         for o, whole in zip(self.owned, wholes, strict=True):
             if o.owner != self.me:
                 continue
-            assert whole is not None
+            if whole is None:
+                raise AssertionError(f"owner {self.me} received no whole value for a parameter it owns")
             merged = self._tp_merge(o, whole)
             if grad:
                 o.leaf.grad = None if skip is not None and id(o.piece.param) in skip else merged
