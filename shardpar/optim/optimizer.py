@@ -74,13 +74,12 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         self._clipped_by_user = False  # clip_master_grads ran in this window: step() does not clip again
         self._clipping = Clipping(clip_norm, clip_owner)
         self.tp_splits = tp_splits
-        self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler(1.0)
+        self.loss_scaler = loss_scaler or StaticLossScaler(1.0)  # the window reads its scale from here on
         self.overflow = False  # fp16: the last step overflowed (and was skipped)
         self.skipped = False  # the last step was skipped (fp16 overflow, or non-finite in bf16/fp32)
         limit = model.shardpar_config.sdp_max_nonfinite_steps if max_nonfinite_steps is None else max_nonfinite_steps
         self.nonfinite_guard = NonFiniteGuard(limit)
         self.num_steps = 0  # step() calls that got past the window check, skipped ones included
-        model.window.set_loss_scale(self.loss_scaler.loss_scale)
         self._main_piece: dict[int, torch.Tensor] = {}  # leaf stepped for a compute or user parameter id
         self._grad_slots: list[tuple[torch.Tensor, Piece]] = []  # (main piece, where it lies) of trainable params
         self.owners: list[OwnerCompute] = []  # one per optimizer that is not element-wise
@@ -204,7 +203,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure (the model is sharded)")
-        self.view.window.check_step()  # before anything changes
+        self.view.check_step()  # before anything changes
         # What the user did to the parameters' .grad since backward ([Note: user gradients],
         # runtime/user_params.py): a dropped grad is zeroed, so the norm below leaves it out too.
         dropped = self.model.user_params.sync()
@@ -214,7 +213,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         parts = local_grad_norm_squared(self.sharded_state, self.tp_splits)
         local_finite = torch.isfinite(parts).all()  # before the AllReduce overwrites them; no sync
         sq = reduce_grad_norm_squared(self.sharded_state, parts, self.tp_splits)
-        scale = self.view.window.loss_scale  # what this window's backwards multiplied the loss by
+        scale = self.loss_scaler.loss_scale  # what this window's backwards multiplied the loss by
         # The only host sync of the step: an inf/nan on any rank makes the norm non-finite on every
         # rank alike, so each decides the skip the same way without talking.
         finite = bool(torch.isfinite(sq).all().item())
@@ -223,7 +222,6 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
             self.overflow = self.skipped = not finite
             self.loss_scaler.update(self.overflow)
             if self.overflow:
-                self.view.window.set_loss_scale(self.loss_scaler.loss_scale)
                 self._end_step()
                 return None
         elif not finite:
@@ -242,7 +240,6 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         self.view.refresh_compute()
         for owners in self.owners:
             owners.mark_values_current()
-        self.view.window.set_loss_scale(self.loss_scaler.loss_scale)
         self._end_step()
         return result
 
@@ -337,7 +334,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
             raise ValueError(f"clip_master_grads(norm_type={norm_type!r}): only the L2 norm (2.0) is supported")
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"clip_master_grads(max_norm={max_norm!r}) must be a number > 0")
-        norm = self.grad_norm_squared().sqrt() / self.view.window.loss_scale
+        norm = self.grad_norm_squared().sqrt() / self.loss_scaler.loss_scale
         if bool(torch.isfinite(norm).all()):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s formula
             for grad in self.view.main_grads():
@@ -357,7 +354,18 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         state, user = self.sharded_state, self.model.user_params.user
         return [(u, self._main_piece[id(where.param)]) for where, u in zip(state.pieces, user, strict=True)]
 
-    # ---- loss scaler in checkpoints -----------------------------------------------------------
+    # ---- loss scaler ([Note: one owner of the loss scale], runtime/window.py) ----------------------
+
+    @property
+    def loss_scaler(self) -> LossScaler:
+        """The fp16 loss scaler: the one owner of the loss scale, which `model.backward` reads through
+        the window. Assigning another scaler hands the window that one."""
+        return self._loss_scaler
+
+    @loss_scaler.setter
+    def loss_scaler(self, scaler: LossScaler) -> None:
+        self._loss_scaler = scaler
+        self.view.use_scaler(scaler)
 
     def loss_scaler_state(self) -> dict[str, Any]:
         """The scaler's state and the precision it served, so a resume can tell whether it applies."""
@@ -371,8 +379,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         if plan.warning is not None:
             warnings.warn(plan.warning, stacklevel=3)
         if plan.apply:
-            self.loss_scaler.load_state_dict(saved)
-        self.view.window.set_loss_scale(self.loss_scaler.loss_scale)  # what model.backward multiplies by
+            self.loss_scaler.load_state_dict(saved)  # model.backward multiplies by the loaded scale from now on
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         raise ValueError("add_param_group after wrapping is not supported; build all groups before wrapping")

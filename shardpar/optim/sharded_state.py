@@ -16,7 +16,7 @@ import torch
 from shardpar.collectives import Engine, Group
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.state import Piece, ShardedState
-from shardpar.runtime.window import AccumulationWindow
+from shardpar.runtime.window import AccumulationWindow, ScaleSource
 from shardpar.sharding.tp_split import TPSplit
 from shardpar.topology import Topology
 
@@ -69,6 +69,15 @@ class OptimizerState:
     @property
     def window(self) -> AccumulationWindow:
         return self._model.window
+
+    def check_step(self) -> None:
+        """Refuse a step inside an accumulation window, before anything changes (window.py)."""
+        self._model.window.check_step()
+
+    def use_scaler(self, scaler: ScaleSource) -> None:
+        """The loss scale `model.backward` multiplies by is `scaler`'s from now on ([Note: one owner of
+        the loss scale], runtime/window.py)."""
+        self._model.window.use_scaler(scaler)
 
     def without_grad(self, dropped: set[int]) -> set[int]:
         """Ids of the parameters not stepped this time: no gradient in the window ([Note: unused params]

@@ -399,12 +399,13 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
 
     @property
     def loss_scale(self) -> float:
-        """What `backward` multiplies the loss by: the DistributedOptimizer's fp16 loss scale."""
+        """What `backward` multiplies the loss by: the DistributedOptimizer's fp16 loss scale (its loss
+        scaler's, read through the window: [Note: one owner of the loss scale] in window.py)."""
         return self.window.loss_scale
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        self.window.set_loss_scale(value)
+        self.window.scaler.loss_scale = value  # the owner's value ([Note: one owner of the loss scale])
 
     @property
     def num_backward(self) -> int:
