@@ -34,8 +34,7 @@ import torch
 from torch import nn
 
 from shardpar.optim.ownership import OwnerPlan, plan_owners
-from shardpar.optim.sharded_state import OptimizerState
-from shardpar.runtime.state import Piece
+from shardpar.optim.sharded_state import OptimizerState, Piece
 
 
 @dataclass

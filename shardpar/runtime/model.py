@@ -333,11 +333,13 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             self.reducer.two_hop.drop_partials()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop (or zero) the gradients of the open window, as `optimizer.zero_grad()` does: the main
-        grads behind the user parameters' .grad, and the window's count of backward passes."""
+        """Drop (or zero) the gradients of the open window: the main grads behind the user parameters'
+        .grad, the window's count of backward passes, what `backward` saw of their losses, and a clip
+        of them. The one implementation: `optimizer.zero_grad()` calls it too."""
         self.reset_window()
         self.nonfinite_losses.zero_()
-        if set_to_none:
+        self.user_params.clip_watch.reset()
+        if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped
             self.reset_grad_usage()
             self.user_params.clear_grads()
         self.sharded_state.clear_grads(set_to_none=set_to_none)
@@ -349,7 +351,10 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         """Called by the optimizer after each step: closes the step in the communication records, and
         releases what a graph-recording forward that got no backward (a metric computed without
         torch.no_grad) left gathered -- the root keeps its parameters for the backward -- since those
-        values are stale now; the next forward gathers the stepped ones."""
+        values are stale now; the next forward gathers the stepped ones. The window just stepped (or
+        skipped) is over: its non-finite losses and a clip of its gradients are forgotten."""
+        self.user_params.clip_watch.reset()
+        self.nonfinite_losses.zero_()
         self.scheduler.release_all()
         self.user_params.reset()  # after model.unshard() the modules held the (now freed) compute parameters
         stats = getattr(self.engine, "stats", None)
