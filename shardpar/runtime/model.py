@@ -37,7 +37,7 @@ from shardpar.runtime.model_state_dict import StateDictMixin
 from shardpar.runtime.model_v1 import V1Mixin
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer, plan_buckets
-from shardpar.runtime.replica_shard import ReplicaShard, replica_comm
+from shardpar.runtime.replica_shard import replica_comm
 from shardpar.runtime.schedule import LiveCounter, Scheduler
 from shardpar.runtime.sharded_tensor import ShardComm
 from shardpar.runtime.state import ShardedState
@@ -118,7 +118,8 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             materialize=values,
         )
         self.live = LiveCounter()
-        # shard_optimizer_state ([Note: replica-sharded main], replica_shard.py); None when off or one replica
+        # shard_optimizer_state ([Note: replica-sharded main], replica_shard.py): each unit's strategy
+        # ([Note: the replica strategy]); NoReplicas when off or one replica
         self.replicas = replica_comm(config.shard_optimizer_state, topology, engine)
         self.units = self._build_units(plans, values)
         settle_frozen_mode(self.units, config, topology, engine, self.device)  # frozen_modes.py
@@ -256,7 +257,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         for up in plans:
             # Units without sharded parameters are kept (they communicate nothing): their hooks still
             # hold the parameters they borrow (smp.register_parameter) and mark the start of backward.
-            align = 1 if self.replicas is None else self.replicas.size  # each shard splits over the replicas
+            align = self.replicas.align  # each shard splits over the replicas
             trained = [(n, p) for n, p in up.params if p.requires_grad]
             layout = flat_layout([(n, tuple(p.shape)) for n, p in trained], comm.sharding.size, align=align)
             # Frozen at wrap time: their own shard, in their dtype ([Note: frozen shards], frozen.py)
@@ -287,8 +288,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             )
             values.take_real(p for _, p in up.params)
             unit.take_shards_from_params(values, every_param=values.collective)
-            if self.replicas is not None:  # now, unit by unit: one unit's fp32 shard at a time beside the pieces
-                unit.replica = ReplicaShard(unit, self.replicas)
+            unit.replicas = self.replicas.strategy(unit)  # now: one unit's fp32 shard at a time beside the pieces
             units.append(unit)
         return units
 
