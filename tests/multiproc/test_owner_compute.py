@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
-from tests.multiproc import owner_bf16_cases
+from tests.multiproc import owner_bf16_cases, owner_dcp_cases
 from tests.multiproc import owner_cases as cases
 
 LOSS_TOL, PARAM_TOL = 1e-5, 5e-5  # fp32, 5 steps with accumulation and clipping
@@ -114,3 +115,55 @@ def test_owner_held_state_is_saved_once_and_resharded_on_load(ranks, tmp_path: P
             losses = max(abs(a - b) for a, b in zip(res["losses"], straight["losses"], strict=True))
             assert losses <= tol, f"{where}: losses differ by {losses:.2e}"
             assert _max_diff(res["final"], straight["final"]) <= tol, f"{where}: final params"
+
+
+def _same(a: Any, b: Any, where: str) -> None:
+    """Bit-equal nested state dicts (tensors by torch.equal, the rest by ==)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(set(a) ^ set(b))[:4]}"
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def test_dcp_optimizer_state_dicts_of_owner_held_state_round_trip_at_other_worlds(ranks, tmp_path: Path) -> None:
+    """get/set_optimizer_state_dict and dcp.save/load with Muon (owners) + AdamW (pieces): saved at world 4,
+    sdp 2 x 2 replicas; resumed bit-exact at world 4 / sdp 4, world 2, and with shard_optimizer_state from the
+    full state dict. Each owner lists its whole state, other ranks none; the full form has every key."""
+    path, full_file = str(tmp_path / "dcp"), str(tmp_path / "full.pt")
+    saved = ranks.run(4, owner_dcp_cases.save_case, path, full_file, {"sharded_data_parallel_degree": 2})
+    straight = saved[0]
+    assert straight["owned"] and straight["owner_stepped"], "Muon holds momentum buffers on owners"
+    assert set(straight["owner_stepped"]) <= set(straight["full"]["state"]), "the full form has every key"
+    for rank, res in enumerate(saved):
+        elsewhere = set(res["owner_stepped"]) - set(res["owned_here"])
+        assert not elsewhere & set(res["held"]), f"rank {rank} lists state it does not own"
+        assert set(res["owned_here"]) <= set(res["held"]), f"rank {rank} leaves out state it owns"
+    # DCP wrote each owner-held tensor once (the two replicas' owners listed the same bytes), whole
+    written = [i for i in dcp.FileSystemReader(path).read_metadata().storage_data if i.fqn.startswith("optim.state.")]
+    for key in straight["owned"]:
+        fqn, name = key.split(":")
+        chunks = [i for i in written if i.fqn == f"optim.state.{fqn}.{name}"]
+        assert len(chunks) == 1 and not any(chunks[0].offset), f"{key}: written as {chunks}"
+    resumes: list[tuple[int, dict[str, Any], str]] = [
+        (4, {"sharded_data_parallel_degree": 4}, "dcp"),
+        (2, {"sharded_data_parallel_degree": 2}, "dcp"),
+        (4, {"sharded_data_parallel_degree": 2, **SOS}, "full"),
+    ]
+    for world, knobs, form in resumes:
+        for rank, res in enumerate(ranks.run(world, owner_dcp_cases.resume_case, path, full_file, knobs, form)):
+            where = f"world {world} {knobs} {form} rank {rank}"
+            assert _max_diff(res["resumed"], straight["at_save"]) == 0.0, f"{where}: params"
+            assert _max_diff(res["owned"], straight["owned"]) == 0.0, f"{where}: owner-held state"
+            _same(res["full"], straight["full"], f"{where}: full optimizer state dict")
+            # another setting sums gradients in another order (as test_owner_held_state_is_saved_once...)
+            losses = max(abs(a - b) for a, b in zip(res["losses"], straight["losses"], strict=True))
+            assert losses <= 1e-6, f"{where}: losses differ by {losses:.2e}"
+            assert _max_diff(res["final"], straight["final"]) <= 1e-6, f"{where}: final params"
