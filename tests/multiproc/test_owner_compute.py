@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.multiproc import owner_bf16_cases, owner_dcp_cases
+from tests.multiproc import owner_bf16_cases, owner_dcp_cases, owner_snapshot_cases
 from tests.multiproc import owner_cases as cases
 
 LOSS_TOL, PARAM_TOL = 1e-5, 5e-5  # fp32, 5 steps with accumulation and clipping
@@ -167,3 +167,22 @@ def test_dcp_optimizer_state_dicts_of_owner_held_state_round_trip_at_other_world
             losses = max(abs(a - b) for a, b in zip(res["losses"], straight["losses"], strict=True))
             assert losses <= 1e-6, f"{where}: losses differ by {losses:.2e}"
             assert _max_diff(res["final"], straight["final"]) <= 1e-6, f"{where}: final params"
+
+
+def test_snapshots_hold_owner_held_state_and_a_lost_rank_takes_its_replica_peers(ranks, tmp_path: Path) -> None:
+    """smp.save_snapshot with Muon (owners) + AdamW at world 4 / sdp 2 x 2 replicas: each owner writes the
+    whole state of what it owns; rank 1's files are gone at the resume, so it reads its replica peer's,
+    and every rank resumes bit-exact (owner-held state, parameters) and trains as the straight run did."""
+    root, shm = str(tmp_path / "ckpt"), str(tmp_path / "shm")
+    straight = ranks.run(4, owner_snapshot_cases.straight_case, root, shm)
+    assert all(r["written"] for r in straight), "every rank wrote its snapshot at step 2"
+    want = straight[0]
+    assert want["owned"], "Muon holds momentum buffers on owners"
+    resumed = ranks.run(4, owner_snapshot_cases.resume_case, root, shm)
+    assert resumed[owner_snapshot_cases.LOST]["mine"], "the rank that lost its files owns parameters"
+    for rank, res in enumerate(resumed):
+        assert res["source"]["source"] == "memory", res["source"]
+        assert "1 rank(s) from a replica peer's snapshot" in res["source"]["description"], res["source"]
+        assert _max_diff(res["owned"], want["owned"]) == 0.0, f"rank {rank}: owner-held state"
+        assert _max_diff(res["resumed"], want["at_snapshot"]) == 0.0, f"rank {rank}: params"
+        assert res["losses"] == want["losses"], f"rank {rank}: {res['losses']} vs {want['losses']}"  # same layout
