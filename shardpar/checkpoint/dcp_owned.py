@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dsd
 
 from shardpar.checkpoint.owned_state import writes_owned
 from shardpar.optim.optimizer import DistributedOptimizer
@@ -37,9 +38,12 @@ def owned_ids(optimizer: DistributedOptimizer | None) -> dict[int, bool]:
 
 def init_state(inner: torch.optim.Optimizer, optimizer: DistributedOptimizer | None) -> None:
     """torch's `_init_optim_state` (a step with lr 0 on zero gradients, so that `dcp.load` has tensors to
-    load into), except that a leaf this rank does not own gets no gradient: torch optimizers skip it, so
-    its state stays on the owner only, as in training."""
+    load into); mirrored where state is owner-held, so that a leaf this rank does not own gets no gradient:
+    torch optimizers skip it, and its state stays on the owner only, as in training."""
     owned = owned_ids(optimizer)
+    if not owned:
+        dsd._init_optim_state(inner)  # torch's own, where nothing is owner-held
+        return
     if inner.state or any(p.grad is not None for g in inner.param_groups for p in g["params"]):
         return
     for group in inner.param_groups:
