@@ -131,6 +131,10 @@ class OwnerCompute:
         """After the step's refresh: the owners' copies are what the shards hold."""
         self._seen_version = self.view.values_version
 
+    def forget_values(self) -> None:
+        """The owners' copies may differ from the shards (written outside a step): gather at the next step."""
+        self._seen_version = -1
+
     # ---- pieces <-> wholes -----------------------------------------------------------------------
 
     def _to_owners(self, read: object) -> list[torch.Tensor | None]:
