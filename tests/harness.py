@@ -34,8 +34,11 @@ groups the case made itself, and collects garbage ([Note: pool worker resources]
 # creation* (`inherited_env`, the server's own is from its start), its own sys.path/main module
 # (multiprocessing's preparation data), and a fresh `random` state (re-seeded at fork by Python).
 # What is read at import from the environment is read once, by the server, from the environment
-# pytest started with; no pool's `env` is meant for that (MALLOC_MMAP_THRESHOLD_ is applied by its
-# cases with mallopt, as glibc had read it before a spawned worker set it too).
+# pytest started with; no pool's `env` is meant for that.
+# One exception: a pool whose env sets glibc's MALLOC_* variables is for cases that measure their
+# own RSS (memory_cases.py, frozen_cases.py); it still starts by spawn, so that its ranks' RSS is
+# that of a process that loaded every page it maps itself, as when those bounds were set (a fork maps
+# the server's shared libraries without counting them until touched again).
 """
 
 from __future__ import annotations
@@ -69,8 +72,10 @@ _PRELOAD = [
 ]
 
 
-def process_context() -> Any:
+def process_context(method: str = "forkserver") -> Any:
     """The start method for every rank the tests start themselves ([Note: forkserver ranks])."""
+    if method == "spawn":
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, at the first rank started
     return ctx
@@ -166,7 +171,8 @@ class RankPool:
         self.world = world
         self.env = dict(env or {})
         self._dir = tempfile.TemporaryDirectory(prefix=f"shardpar-pool{world}-")
-        ctx = process_context()
+        measures_rss = any(key.startswith("MALLOC_") for key in self.env)  # [Note: forkserver ranks]
+        ctx = process_context("spawn" if measures_rss else "forkserver")
         port = free_port()
         env_of_ranks = inherited_env()
         self._conns: list[Connection] = []
