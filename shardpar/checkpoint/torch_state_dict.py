@@ -32,7 +32,7 @@ import torch.distributed.checkpoint.state_dict as dsd
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 
-from shardpar.checkpoint import dcp_state_dict
+from shardpar.checkpoint import dcp_persistent, dcp_state_dict
 from shardpar.optim.chained import OptimizerList
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
@@ -217,6 +217,8 @@ def load_optimizer_state_dict(
             f"optimizer state dict has no state for {len(missing)} trainable parameters, e.g. {missing[0]!r}; "
             "pass StateDictOptions(strict=False) to load it anyway"
         )
+    # persistent state: the rows other ranks read in dcp.load (a collective, after every check above)
+    dcp_persistent.complete(saved_state.values(), model.sharded_state.device)
     state = {
         i: {k: _piece(v, where, p, inner.state.get(p, {}).get(k)) for k, v in saved_state[where.fqn].items()}
         for i, (p, where) in enumerate(flat)
