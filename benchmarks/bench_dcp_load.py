@@ -14,9 +14,11 @@ the slowest rank's.
 What costs shardpar more than FSDP2 here: DCP's FileSystemReader deserializes a saved chunk whole for
 every read request that overlaps it ("TODO sort by offset and cache the reading", torch
 filesystem.py), so a rank's cost grows with its (chunk x saved chunk) overlaps, not only its bytes.
-Parameters under `--threshold` are whole on every rank (persistent): each rank reads all of FSDP2's
-row blocks of each, where an FSDP2 rank reads one; and at sdp 2 of world 4 each rank holds half the
-model, twice an FSDP2 rank's quarter. `--threshold 0 --sdp 4` is the like-for-like layout.
+Parameters under `--threshold` are whole on every rank (persistent), but each rank describes only its
+row block of them to DCP (runtime/dcp_chunks.py) and set_state_dict gathers the rest, so a rank reads
+about as many saved blocks of them as an FSDP2 rank does (before: all of them, 2.7x FSDP2's reads at
+sdp 4); at sdp 2 of world 4 each rank holds half the sharded model, twice an FSDP2 rank's quarter.
+`--threshold 0 --sdp 4` is the like-for-like layout.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Recovery after kill -9 of one rank: from the in-memory snapshot vs from the disk checkpoint (issue 32 item 2).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_recovery.py [--world 4] [--sdp 2] [--hidden 512] [--layers 8]
-        [--vocab 50304] [--repeats 2]
+        [--vocab 50304] [--repeats 2] [--kinds memory,disk,disk-cold | --cold-disk]
 
 1. train: `world` CPU ranks (our launcher, gloo + shm) train 2 steps of a GPT-NeoX (fp32, AdamW), save a
    disk checkpoint and a snapshot of the same step, then rank 1 kills itself with SIGKILL; the others
@@ -14,13 +14,19 @@
 
 Two disk cases: "disk" reads the checkpoint just written, from the page cache (the disk side favoured);
 "disk-cold" first drops the checkpoint's files from the page cache (posix_fadvise DONTNEED on each file:
-only its clean pages, nothing else's), so the restart reads the local disk, still faster than the
-remote storage a cluster restarts from. Target: memory to the first new step <= 0.3 x from disk.
+only its clean pages, nothing else's; mincore(2) then reports how much stayed cached), so the restart
+reads the local disk, still faster than the remote storage a cluster restarts from. `--cold-disk` runs
+memory against disk-cold only. Target: memory to the first new step <= 0.3 x from disk.
+
+Where a restart's time goes, per phase (slowest rank, medians): python up, import torch + shardpar,
+import transformers, smp.init (rendezvous), model + optimizer built, resume_from_checkpoint, first step.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
 import os
 import shutil
 import signal
@@ -29,15 +35,35 @@ import tempfile
 import time
 from typing import Any
 
+# In a spawned rank this module is imported (as __mp_main__) right after the interpreter starts, before
+# the launcher unpickles the rank's function (which imports shardpar and torch): the end of "start".
+_MODULE_IMPORTED = time.time()
 
-def _build(sdp: int, hidden: int, layers: int, vocab: int) -> tuple[Any, Any, Any]:
+# A restart's phases, in order; each ends at a timestamp taken on every rank (the slowest rank counts).
+PHASES = (
+    ("start", "python up (spawn)"),
+    ("import", "import torch + shardpar (launcher)"),
+    ("transformers", "import transformers"),
+    ("rendezvous", "smp.init (process groups)"),
+    ("build", "model + optimizer built"),
+    ("load", "resume_from_checkpoint"),
+    ("step", "first new step"),
+)
+
+
+def _build(
+    sdp: int, hidden: int, layers: int, vocab: int, marks: dict[str, float] | None = None
+) -> tuple[Any, Any, Any]:
     import torch
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     import shardpar as smp
 
+    marks = {} if marks is None else marks
+    marks["transformers"] = time.time()
     torch.set_num_threads(1)
     smp.init({"sharded_data_parallel_degree": sdp, "sdp_param_persistence_threshold": 1000})
+    marks["rendezvous"] = time.time()
     torch.manual_seed(0)
     cfg = GPTNeoXConfig(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=8,
@@ -80,23 +106,27 @@ def _train_then_die(root: str, sdp: int, hidden: int, layers: int, vocab: int) -
 
 
 def _restart(launched: float, root: str, memory: bool, sdp: int, hidden: int, layers: int, vocab: int) -> dict:
+    marks = {"start": _MODULE_IMPORTED, "import": time.time()}  # the launcher imported torch and shardpar
     import shardpar as smp
     from shardpar.checkpoint import snapshot
 
-    model, opt, cfg = _build(sdp, hidden, layers, vocab)
-    built = time.time()
+    model, opt, cfg = _build(sdp, hidden, layers, vocab, marks)
+    built = marks["build"] = time.time()
     content = smp.resume_from_checkpoint(root, snapshots=memory)
-    loaded = time.time()
+    loaded = marks["load"] = time.time()
     loss = _step(model, opt, cfg, int(content["step"]))
-    stepped = time.time()
+    stepped = marks["step"] = time.time()
     source = smp.last_resume().get("source")
     snapshot.written.clear()  # keep the snapshots for the next repeat (a normal finish would remove them)
     smp.shutdown()
     return {"built": built - launched, "loaded": loaded - launched, "stepped": stepped - launched,
-            "resume_and_step": stepped - built, "loss": loss, "source": source}  # fmt: skip
+            "resume_and_step": stepped - built, "loss": loss, "source": source,
+            "marks": {k: v - launched for k, v in marks.items()}}  # fmt: skip
 
 
-def _drop_from_page_cache(directory: str) -> None:
+def _drop_from_page_cache(directory: str) -> tuple[int, int]:
+    """posix_fadvise(DONTNEED) on each file of `directory` (only these files' clean pages: not a global
+    drop_caches, which would slow every other process on the machine); (bytes resident after, total)."""
     for entry in os.scandir(directory):
         fd = os.open(entry.path, os.O_RDONLY)
         try:
@@ -104,6 +134,52 @@ def _drop_from_page_cache(directory: str) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    return _resident(directory)
+
+
+def _resident(directory: str) -> tuple[int, int]:
+    """(bytes of the files of `directory` in the page cache, their size), by mincore(2) on a mapping of
+    each file -- what util-linux's fincore reports -- so the "cold" case shows that it was cold."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    resident = total = 0
+    for entry in os.scandir(directory):
+        size = entry.stat().st_size
+        total += size
+        if not size:
+            continue
+        fd = os.open(entry.path, os.O_RDONLY)
+        try:  # mapping reads nothing: mincore only looks at which pages are cached
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {entry.path} failed")
+            try:
+                vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+                if libc.mincore(addr, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {entry.path} failed")
+                resident += sum(v & 1 for v in vec) * page
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return min(resident, total), total
+
+
+def _print_phases(rows: dict[str, list[dict]]) -> None:
+    """Where a restart's time goes: per phase, seconds from the previous phase's end (the slowest rank's
+    timestamps, medians over the repeats); "start" counts from the launch call in this process."""
+    print(f"{'phase (slowest rank, median s)':47s}" + "".join(f"{k:>11s}" for k in rows))
+    prev = {k: [0.0] * len(rows[k]) for k in rows}
+    for mark, what in PHASES:
+        cells = []
+        for k, runs in rows.items():
+            cells.append(statistics.median(r["marks"][mark] - p for r, p in zip(runs, prev[k], strict=True)))
+            prev[k] = [r["marks"][mark] for r in runs]
+        print(f"{mark:12s} {what:34s}" + "".join(f"{c:11.2f}" for c in cells))
 
 
 def main() -> None:
@@ -114,7 +190,14 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--kinds", default="memory,disk,disk-cold", help="restarts to run, alternately (default: all 3)")
+    p.add_argument(
+        "--cold-disk", action="store_true", help="memory against the cold disk only (--kinds memory,disk-cold)"
+    )
     a = p.parse_args()
+    kinds = ["memory", "disk-cold"] if a.cold_disk else a.kinds.split(",")
+    if not set(kinds) <= {"memory", "disk", "disk-cold"} or "memory" not in kinds or len(kinds) < 2:
+        p.error(f"--kinds {a.kinds!r}: memory and one or both of disk, disk-cold (comma-separated)")
     from shardpar.checkpoint import snapshot
     from shardpar.cli.launcher import LaunchError, launch_local
 
@@ -133,13 +216,15 @@ def main() -> None:
         print(
             f"snapshots: {len(files)} files, {snap_bytes / 2**20:.0f} MiB; disk checkpoint {disk_bytes / 2**20:.0f} MiB"
         )
-        rows: dict[str, list[dict]] = {"memory": [], "disk": [], "disk-cold": []}
+        rows: dict[str, list[dict]] = {k: [] for k in kinds}
         for _ in range(a.repeats):
             for kind in rows:
                 if kind == "disk-cold":
-                    _drop_from_page_cache(os.path.join(root, "step2_partial"))
+                    cached, size = _drop_from_page_cache(os.path.join(root, "step2_partial"))
+                    print(f"disk-cold: {cached / 2**20:.1f} of {size / 2**20:.0f} MiB of the checkpoint cached")
                 res = launch_local(_restart, a.world, time.time(), root, kind == "memory", *shape, timeout_s=1800)
                 slowest = {k: max(r[k] for r in res) for k in ("built", "loaded", "stepped", "resume_and_step")}
+                slowest["marks"] = {m: max(r["marks"][m] for r in res) for m, _ in PHASES}
                 slowest["loss"] = res[0]["loss"]
                 assert all(r["source"] == kind.split("-")[0] for r in res), [r["source"] for r in res]
                 rows[kind].append(slowest)
@@ -148,10 +233,12 @@ def main() -> None:
                       f"loss {slowest['loss']!r}")  # fmt: skip
         losses = {r["loss"] for k in rows for r in rows[k]}
         assert len(losses) == 1, f"memory and disk resumes disagree: {losses}"
-        med = {k: {m: statistics.median(r[m] for r in rows[k]) for m in rows[k][0]} for k in rows}
+        _print_phases(rows)
+        numbers = ("built", "loaded", "stepped", "resume_and_step")
+        med = {k: {m: statistics.median(r[m] for r in rows[k]) for m in numbers} for k in rows}
         load = {k: med[k]["loaded"] - med[k]["built"] for k in med}
         mem = med["memory"]
-        for disk in ("disk", "disk-cold"):
+        for disk in [k for k in rows if k != "memory"]:
             d = med[disk]
             print(
                 f"median, memory vs {disk}: load {load['memory']:.2f} s vs {load[disk]:.2f} s = "

@@ -10,9 +10,12 @@ writes each element once and loads each rank's own elements in place, with no wh
 rank (runtime/dcp_chunks.py says how DCP sees the pieces). The keys are the unwrapped model's FQNs,
 as FSDP2's, so a checkpoint moves between an FSDP2 job and shardpar at any world size and sdp.
 
-Loading: `set_*` take ShardedTensors of the same placement by their local pieces (no collective; a
-no-op copy when DCP already loaded into the aliases), others through `full_tensor()` (a collective),
-and plain full tensors as torch_state_dict.py takes them."""
+Loading: `set_*` take ShardedTensors of the same placement by their local pieces (a no-op copy when DCP
+already loaded into the aliases), others through `full_tensor()` (a collective), and plain full
+tensors as torch_state_dict.py takes them. Persistent tensors are whole on every rank but DCP reads
+each rank's row block only, so `set_*` first gathers the other rows over the sharding group
+(dcp_persistent.py; one collective per dtype): after `dcp.load`, call `set_state_dict`, as FSDP2's
+recipe does."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 
+from shardpar.checkpoint import dcp_persistent
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.shard_layout import ShardLayout
 from shardpar.runtime.sharded_tensor import ShardedTensor
@@ -96,6 +100,7 @@ def split_sharded(model: DistributedModel, state_dict: Mapping[str, Any], strict
     rest: dict[str, Any] = {}
     written = False
     with torch.no_grad():
+        dcp_persistent.complete(state_dict.values(), state.device)  # rows other ranks read (a collective)
         for key, value in state_dict.items():
             piece = state.piece_of(by_name[key]) if key in by_name else None
             if not isinstance(value, ShardedTensor) or piece is None:

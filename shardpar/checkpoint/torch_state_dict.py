@@ -32,7 +32,7 @@ import torch.distributed.checkpoint.state_dict as dsd
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 
-from shardpar.checkpoint import dcp_owned, dcp_state_dict
+from shardpar.checkpoint import dcp_owned, dcp_persistent, dcp_state_dict
 from shardpar.optim.chained import OptimizerList
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
@@ -235,6 +235,8 @@ def load_optimizer_state_dict(
             f"optimizer state dict has no state for {len(missing)} trainable parameters, e.g. {missing[0]!r}; "
             "pass StateDictOptions(strict=False) to load it anyway"
         )
+    # persistent state: the rows other ranks read in dcp.load (a collective, after every check above)
+    dcp_persistent.complete(saved_state.values(), model.sharded_state.device)
     first = 0
     for one in _torch_optimizers(inner):  # a list of optimizers: each its own groups, in order
         count = len(one.param_groups)

@@ -16,8 +16,19 @@ shard (or the optimizer's state), and its planner reads from an FSDP2 checkpoint
 its Shard(0) row blocks with our boxes. Chunks of replicas (other sharding groups) are the same boxes;
 DCP's save dedups them, so every element is written once.
 
-A persistent parameter is one box, the whole tensor. A tensor-parallel split has no description here
-yet (its local tensor is itself a strided part of the full one): `boxes` refuses it with what to use."""
+A persistent parameter is whole on every rank, yet each rank of its group describes only its own block
+of rows to DCP (`persistent_rows`: torch.chunk's split of dim 0 over the group, FSDP2's Shard(0)), as if
+it were sharded. DCP's FileSystemReader deserializes a saved chunk whole for every read request that
+overlaps it, so a rank describing the whole tensor read every saved block of it -- for an FSDP2
+checkpoint of world W, W reads per tensor (and per Adam moment) where an FSDP2 rank makes one; for
+GPT-NeoX at the default threshold that was 2.7x FSDP2's reads and most of a 2x slower load. A save
+likewise writes each block once, from the rank that holds it. The price: after `dcp.load` a rank holds
+only its rows, and `set_state_dict` gathers the rest over the group (checkpoint/dcp_persistent.py) --
+FSDP2's recipe calls it anyway, and shardpar needs it after a DCP load regardless (it marks the main
+values written, so the compute copies refresh).
+
+A tensor-parallel split has no description here yet (its local tensor is itself a strided part of the
+full one): `boxes` refuses it with what to use."""
 
 from __future__ import annotations
 
@@ -81,12 +92,45 @@ def boxes(layout: ShardLayout) -> list[Box]:
         )
     shape = tuple(layout.shape)
     if not layout.sharded:
-        return [Box(tuple([0] * len(shape)), shape, 0)]
+        first, end = persistent_rows(layout)
+        if first >= end:
+            return []
+        if not shape:  # a 0-d tensor: one "row", on the group's first rank
+            return [Box((), (), 0)]
+        inner = math.prod(shape[1:])
+        return [Box((first, *[0] * (len(shape) - 1)), (end - first, *shape[1:]), first * inner)]
     found, local = [], 0
     for off, size in flat_range_boxes(shape, layout.start, layout.start + layout.length):
         found.append(Box(off, size, local))
         local += math.prod(size)
     return found
+
+
+def split_whole(layout: ShardLayout) -> bool:
+    """Whether DCP sees a tensor of this layout as row blocks over a group although every rank holds it
+    whole: a persistent, non-TP parameter (or its state) of a sharding group of more than one rank."""
+    return not layout.sharded and layout.tp is None and layout.comm.sharding.size > 1
+
+
+def row_block(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows [first, end) of member `index` of `parts`: torch.chunk's split (blocks of ceil(rows / parts)
+    rows, the last ones shorter or empty), the one FSDP2's Shard(0) uses, so at the same group size a
+    rank reads exactly one saved block of an FSDP2 checkpoint."""
+    size = -(-rows // parts)
+    return min(index * size, rows), min((index + 1) * size, rows)
+
+
+def persistent_rows(layout: ShardLayout) -> tuple[int, int]:
+    """The rows of a persistent tensor this rank reads and writes through DCP (a 0-d tensor counts as one
+    row); all of them when the tensor is not `split_whole`."""
+    rows = layout.shape[0] if len(layout.shape) else 1
+    if not split_whole(layout):
+        return 0, rows
+    if not torch.distributed.is_initialized():  # DCP on several ranks runs over torch.distributed
+        size = layout.comm.sharding.size
+        raise AssertionError(f"{layout.fqn}: a sharding group of {size} ranks without torch.distributed")
+    group = layout.comm.sharding  # its ranks are global ranks, as torch.distributed numbers them
+    return row_block(rows, group.size, group.rank_of(torch.distributed.get_rank()))
 
 
 def box_view(local: torch.Tensor, box: Box) -> torch.Tensor:

@@ -157,3 +157,34 @@ def sharded_state_dict_case() -> dict[str, Any]:
     except ValueError as e:
         out["unexpected"] = str(e)
     return out
+
+
+def persistent_rows_case(path: str) -> dict[str, Any]:
+    """sdp 4 with an UnevenMLP whose parameters under 100 elements persist (rows 13, 7, 5 and a scalar:
+    blocks of 4-4-4-1, 2-2-2-1, 2-2-1-0, 1-0-0-0): each rank describes its row block of a persistent
+    tensor to DCP, `dcp.load` fills exactly those rows, and `set_state_dict` gathers the rest, bit for bit."""
+    smp.init({"sharded_data_parallel_degree": 4, "sdp_param_persistence_threshold": 100})
+    model, opt = models.adamw_mlp(0)
+    models.train_mlp(model, opt, range(2))
+    _save(model, opt, path)
+    saved = _full(model, opt)
+    fresh, fresh_opt = models.adamw_mlp(5)  # another init: every row differs from the saved ones
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    name = "blocks.0.down.weight"  # [13, 7]: 91 elements, persistent
+    out: dict[str, Any] = {"chunks": [(list(c.offsets), list(c.sizes)) for c in msd[name].__create_chunk_list__()]}
+    before = msd[name].local_piece.clone()
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path)
+    mine = torch.zeros(13, dtype=torch.bool)
+    for offsets, sizes in out["chunks"]:
+        mine[offsets[0] : offsets[0] + sizes[0]] = True
+    after, want = msd[name].local_piece, saved[0][name]
+    out["own_rows_loaded"] = torch.equal(after[mine], want[mine])
+    stale = torch.equal(after[~mine], before[~mine]) and not torch.equal(before[~mine], want[~mine])
+    out["other_rows_untouched"] = stale
+    set_state_dict(fresh, fresh_opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    out["loaded"] = _same(_full(fresh, fresh_opt), saved)
+    models.train_mlp(model, opt, range(2, 3))  # the compute copies refreshed: the next step is the same too
+    models.train_mlp(fresh, fresh_opt, range(2, 3))
+    out["stepped"] = _same(_full(fresh, fresh_opt), _full(model, opt))
+    return out

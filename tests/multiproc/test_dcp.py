@@ -45,3 +45,14 @@ def test_sharded_state_dict_aliases_and_loads_in_place(ranks) -> None:
         assert res["alias"] is True
         assert res["full_tensor"] == [] and res["set"] == [], res
         assert "bogus" in res["unexpected"] and "strict=False" in res["unexpected"], res["unexpected"]
+
+
+def test_persistent_tensors_are_read_as_row_blocks_and_gathered(ranks, tmp_path: Path) -> None:
+    """A persistent parameter is whole on every rank; DCP reads each rank's row block of it only
+    (runtime/dcp_chunks.py), set_state_dict gathers the rest (checkpoint/dcp_persistent.py)."""
+    got = ranks.run(4, cases.persistent_rows_case, str(tmp_path / "ckpt"), timeout=120)
+    blocks = [(0, 4), (4, 4), (8, 4), (12, 1)]  # torch.chunk of 13 rows in 4
+    for rank, res in enumerate(got):
+        assert res["chunks"] == [([blocks[rank][0], 0], [blocks[rank][1], 7])], (rank, res["chunks"])
+        assert res["own_rows_loaded"] and res["other_rows_untouched"], (rank, res)
+        _clean(res, ("loaded", "stepped"), f"rank {rank}")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from shardpar.runtime.dcp_chunks import flat_range_boxes
+from shardpar.runtime.dcp_chunks import flat_range_boxes, row_block
 
 
 @pytest.mark.parametrize("shape", [(7,), (4, 5), (3, 4, 5), (2, 3, 2, 3)])
@@ -28,3 +28,14 @@ def test_boxes_cover_exactly_the_range_in_flat_order(shape: tuple[int, ...]) -> 
 
 def test_example_from_the_docstring() -> None:
     assert flat_range_boxes((4, 5), 3, 17) == [((0, 3), (1, 2)), ((1, 0), (2, 5)), ((3, 0), (1, 2))]
+
+
+def test_persistent_row_blocks_are_torch_chunks() -> None:
+    """A persistent tensor's row blocks over a group are torch.chunk's (FSDP2's Shard(0)), empty ones
+    included, and cover the rows once."""
+    for rows in range(0, 12):
+        for parts in range(1, 6):
+            chunks = [c.tolist() for c in torch.arange(rows).chunk(parts)] if rows else []
+            got = [list(range(*row_block(rows, parts, i))) for i in range(parts)]
+            assert [g for g in got if g] == chunks, (rows, parts, got)
+            assert [r for g in got for r in g] == list(range(rows))
