@@ -53,6 +53,7 @@ def model_state_dict(model: DistributedModel, *, ignore_frozen_params: bool, cpu
     """FQN -> ShardedTensor for the parameters (tied ones under each name, one object), buffers as
     `model.state_dict()` gives them (cloned). No collective."""
     state = model.sharded_state
+    state.will_write("get_model_state_dict()")  # views that dcp.load writes into: no async staging copy reads them
     out: dict[str, Any] = {}
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad} if ignore_frozen_params else set()
     made: dict[int, ShardedTensor] = {}
@@ -96,6 +97,7 @@ def split_sharded(model: DistributedModel, state_dict: Mapping[str, Any], strict
             )
     rest: dict[str, Any] = {}
     written = False
+    state.will_write("set_model_state_dict()")
     with torch.no_grad():
         for key, value in state_dict.items():
             piece = state.piece_of(by_name[key]) if key in by_name else None

@@ -35,6 +35,7 @@ from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_sta
 from shardpar.checkpoint import dcp_state_dict
 from shardpar.optim.chained import OptimizerList
 from shardpar.optim.optimizer import DistributedOptimizer
+from shardpar.runtime import write_guard
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.shard_layout import ShardLayout
 from shardpar.runtime.sharded_gather import full_value
@@ -151,6 +152,8 @@ def optimizer_state_dict(
     Not `full`: the sharded form (dcp_state_dict.py), no collective. An empty state is filled first, as
     torch does (a step with lr 0 on zero gradients), so a fresh optimizer has tensors to load into."""
     inner, dist = _inner(optimizer)
+    # init_state may step, and the sharded form hands out views dcp.load writes into
+    write_guard.before_write("get_optimizer_state_dict()")
     dcp_state_dict.init_state(inner)
     groups = _param_names(inner, _stepped(model, dist))
     flat = [where for group in groups for where in group]
@@ -225,6 +228,7 @@ def load_optimizer_state_dict(
     positions, params = iter(range(len(flat))), []
     for group in saved_groups:
         params.append({**group, PARAMS: [next(positions) for _ in group[PARAMS]]})
+    write_guard.before_write("set_optimizer_state_dict()")
     inner.load_state_dict({STATE: state, GROUPS: params})
 
 
