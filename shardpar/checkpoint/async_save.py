@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -122,6 +123,35 @@ class Staging:
         return staged
 
 
+class _Writer:
+    """One daemon thread per process that runs the saves' staging and writing, one at a time. Kept from
+    the first async save to smp.shutdown: starting a thread per save cost the call a few ms on a loaded
+    machine (Thread.start waits until the new thread runs), part of the stall this module is for."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="shardpar-ckpt-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()  # catches its own errors: they belong to its save
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def close(self, timeout_s: float) -> None:
+        self._jobs.put(None)
+        self.thread.join(timeout_s)
+
+
+def _writer() -> _Writer:
+    global _the_writer
+    if _the_writer is None or not _the_writer.thread.is_alive():
+        _the_writer = _Writer()
+    return _the_writer
+
+
 @dataclass
 class _Pending:
     job: _partial.SaveJob
@@ -136,6 +166,7 @@ class _Pending:
 
 
 _pending: _Pending | None = None
+_the_writer: _Writer | None = None
 _waited_s = 0.0  # stage_wait_seconds()
 _staging = Staging()
 
@@ -204,8 +235,9 @@ def start(coord: Coordinator, job: _partial.SaveJob, held: list[atomic.TmpDir]) 
         pending.staged.set()
         pending.done.set()
         return job.final
-    pending.thread = threading.Thread(target=write, name=f"shardpar-ckpt-writer-{job.tag}", daemon=True)
-    pending.thread.start()
+    writer = _writer()
+    pending.thread = writer.thread
+    writer.submit(write)
     write_guard.set_waiter(functools.partial(_wait_staged, pending))
     if BLOCK_ON_STAGING:
         _wait_bounded(pending, "save_checkpoint(async_save=True)", STAGE_TIMEOUT_S, time.monotonic())
@@ -323,14 +355,17 @@ def finish(timeout_s: float | None = None) -> Path | None:
 def abandon_local(timeout_s: float = 60.0) -> str | None:
     """Not collective (smp.shutdown, an exit path where other ranks may be gone): wait up to `timeout_s`
     for this rank's writer and drop the pending save uncommitted; its tag, or None. The `.tmp-*` directory
-    it leaves is swept by the next save or resume; `newest` names the previous checkpoint."""
-    global _pending
+    it leaves is swept by the next save or resume; `newest` names the previous checkpoint. Stops the writer
+    thread (the next async save starts one)."""
+    global _pending, _the_writer
     pending, _pending = _pending, None
-    if pending is None:
-        return None
-    pending.done.wait(timeout_s)
-    if pending.staged.is_set():
-        write_guard.set_waiter(None)
-    for t in pending.held:
-        t.release()
-    return pending.job.tag
+    if pending is not None:
+        pending.done.wait(timeout_s)
+        if pending.staged.is_set():
+            write_guard.set_waiter(None)
+        for t in pending.held:
+            t.release()
+    if _the_writer is not None:  # idle now unless its write hangs: then the daemon thread is left behind
+        _the_writer.close(1.0)
+        _the_writer = None
+    return pending.job.tag if pending is not None else None

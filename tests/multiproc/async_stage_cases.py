@@ -190,7 +190,11 @@ def _writer_died(root: str, model: Any, opt: Any) -> tuple[str, str]:
         except RuntimeError as e:
             died = str(e)
         gate.set()
-        real.join(HOLD_TIMEOUT_S)  # the real copy and write run on; their outcome is not reported
+        idle = threading.Event()  # the real copy and write run on (their outcome is not reported): the
+        writer = async_save._the_writer  # writer runs jobs in order, so this one runs after them
+        assert writer is not None and writer.thread is real
+        writer.submit(idle.set)
+        idle.wait(HOLD_TIMEOUT_S)
         try:
             smp.wait_for_checkpoint()
         except Exception as e:
