@@ -104,17 +104,21 @@ class Staging:
         side = torch.cuda.Stream(device=device) if device is not None else None
         if side is not None and ready is not None:
             side.wait_event(ready)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for key, t in tensors.items():
-                src = t.detach()
-                with self._lock:
-                    buf = self._buffers.get(key)
-                    if buf is None or buf.dtype != src.dtype or buf.shape != src.shape:
-                        pin = src.is_cuda  # pinned: the device-to-host copy runs as one DMA
-                        buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
-                        self._buffers[key] = buf
-                buf.copy_(src, non_blocking=src.is_cuda)
+        with self._lock:
+            for key, src in tensors.items():
+                buf = self._buffers.get(key)
+                if buf is None or buf.dtype != src.dtype or buf.shape != src.shape:
+                    pin = src.is_cuda  # pinned: the device-to-host copy runs as one DMA
+                    buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+                    self._buffers[key] = buf
                 staged[key] = buf
+        # One call for every copy: it holds the GIL once. A copy per tensor handed the GIL back and forth
+        # with the training thread (torch releases it around each op) hundreds of times per save, which
+        # on a loaded machine slowed the steps the copy overlaps far more than the copy itself costs.
+        # no_grad: the sources are leaves that require grad, the buffers must not join any graph.
+        with torch.no_grad(), torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if staged:  # a rank that writes nothing stages nothing
+                torch._foreach_copy_(list(staged.values()), list(tensors.values()), non_blocking=side is not None)
         if side is not None:
             side.synchronize()  # the copies are complete before the writer reads them and writes may resume
         with self._lock:
