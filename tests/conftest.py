@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,15 @@ def ranks() -> Iterator[PoolCache]:
     cache = PoolCache()
     yield cache
     cache.close()
+
+
+@pytest.fixture(scope="session")
+def compat_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """compat/smdistributed-shardpar pip-installed once for the session (tests/smdistributed_compat.py):
+    the unit checks and the 2-rank run only read it, so one `pip install` serves both."""
+    from tests import smdistributed_compat
+
+    return smdistributed_compat.install(tmp_path_factory.mktemp("compat"))
 
 
 @contextlib.contextmanager

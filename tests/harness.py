@@ -22,6 +22,23 @@ groups the case made itself, and collects garbage ([Note: pool worker resources]
 # ~350 gloo contexts and ~1,000 threads each (issue 29 item 8). So after every case the worker
 # destroys the groups still registered besides WORLD and runs gc.collect(): what the case made is
 # gone before the next starts, and `worker_resources` can count what is left.
+
+# [Note: forkserver ranks]
+# Ranks used to start with "spawn": every process a fresh interpreter importing torch, shardpar and
+# transformers -- ~25 s of CPU each on a loaded 2-core machine, paid again for every pool, every pool
+# replaced after a failure, and every test that spawns ranks of its own. `process_context()` is a
+# "forkserver" context whose server imports those modules once (the first time a rank is started);
+# each rank is then a fork of it, started in well under a second. Forking after `import torch` is
+# what DataLoader workers do: the server has run no intra-op parallel region and holds no process
+# group. A rank still gets what spawn gave it -- the test process's environment *as of the pool's
+# creation* (`inherited_env`, the server's own is from its start), its own sys.path/main module
+# (multiprocessing's preparation data), and a fresh `random` state (re-seeded at fork by Python).
+# What is read at import from the environment is read once, by the server, from the environment
+# pytest started with; no pool's `env` is meant for that.
+# One exception: a pool whose env sets glibc's MALLOC_* variables is for cases that measure their
+# own RSS (memory_cases.py, frozen_cases.py); it still starts by spawn, so that its ranks' RSS is
+# that of a process that loaded every page it maps itself, as when those bounds were set (a fork maps
+# the server's shared libraries without counting them until touched again).
 """
 
 from __future__ import annotations
@@ -44,13 +61,45 @@ from shardpar.cli.launcher import free_port, set_local_rank_env
 
 DEFAULT_TIMEOUT_S = 120.0
 _GRACE_AFTER_ERROR_S = 5.0
+# Imported by the fork server (an ImportError is skipped by multiprocessing, so this is only a cache).
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "shardpar",
+    "transformers",
+    "transformers.models.gpt_neox.modeling_gpt_neox",
+    "transformers.models.gpt2.modeling_gpt2",
+]
+
+
+def process_context(method: str = "forkserver") -> Any:
+    """The start method for every rank the tests start themselves ([Note: forkserver ranks])."""
+    if method == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, at the first rank started
+    return ctx
+
+
+def inherited_env() -> dict[str, str]:
+    """The environment a spawned rank would have had: this process's, now."""
+    return dict(os.environ)
+
+
+def adopt_env(env: Mapping[str, str]) -> None:
+    """In a forked rank: make `env` (from `inherited_env` in the parent) the whole environment."""
+    os.environ.clear()
+    os.environ.update(env)
 
 
 class RankFailure(AssertionError):
     """One or more ranks raised, died or hung; the message holds every rank's story."""
 
 
-def _worker(rank: int, world: int, port: int, conn: Connection, env: dict[str, str], stack_file: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, conn: Connection, base_env: dict[str, str], env: dict[str, str], stack_file: str
+) -> None:
+    adopt_env(base_env)
     set_local_rank_env(rank, world, port)
     os.environ.update(env)
     with open(stack_file, "w") as stacks:  # stays open: faulthandler writes to it on SIGUSR1
@@ -122,15 +171,17 @@ class RankPool:
         self.world = world
         self.env = dict(env or {})
         self._dir = tempfile.TemporaryDirectory(prefix=f"shardpar-pool{world}-")
-        ctx = mp.get_context("spawn")
+        measures_rss = any(key.startswith("MALLOC_") for key in self.env)  # [Note: forkserver ranks]
+        ctx = process_context("spawn" if measures_rss else "forkserver")
         port = free_port()
+        env_of_ranks = inherited_env()
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, world, port, child, self.env, self._stack_file(rank)),
+                args=(rank, world, port, child, env_of_ranks, self.env, self._stack_file(rank)),
                 daemon=True,
                 name=f"shardpar-rank{rank}",
             )

@@ -16,7 +16,6 @@ from typing import Any
 from shardpar.api.context import get_config, is_initialized, state
 from shardpar.checkpoint import snapshot as _snapshot
 from shardpar.checkpoint import snapshot_load as _snapshot_load
-from shardpar.optim.chained import OptimizerList
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime.model import DistributedModel
 
@@ -53,16 +52,8 @@ def save_snapshot(
         raise ValueError("smp.save_snapshot needs a model: call smp.DistributedModel(model) first")
     if optimizer is None and st.optimizer is not None and st.optimizer.model is model:
         optimizer = st.optimizer
-    if optimizer is not None and (optimizer.owners or isinstance(optimizer.optimizer, OptimizerList)):
-        # owner-held state is keyed by whole parameters on their owners, not by this rank's pieces: a
-        # snapshot would silently resume without it
-        raise ValueError(
-            f"smp.save_snapshot: {type(optimizer.optimizer).__name__} is stepped by owner ranks (an optimizer that "
-            "is not element-wise), whose state in-memory snapshots do not hold yet; set "
-            "checkpoint_snapshot_interval=0 and save with smp.save_checkpoint, which saves and reshards it"
-        )
     if step % interval:
-        return None  # (the refusal above comes at every call: before the first snapshot step is reached)
+        return None
     model.window.check_save("smp.save_snapshot", "are not in a snapshot (a resume would step on the rest alone); save")
     directory = snapshot_directory(path)
     written = _snapshot.write(directory, model, optimizer, step=step, user_content=user_content)

@@ -94,7 +94,7 @@ def summarize(model: DistributedModel, engine_name: str) -> WrapSummary:
     held: dict[int, int] = {}  # storage -> bytes, each storage once (in fp32 a compute copy is the main)
     tensors: list[torch.Tensor | None] = [persistent.main, persistent.compute]
     for u in model.units:
-        tensors += [u.main_shard, u._compute_shard, getattr(u.replica, "main", None)]
+        tensors += [u.main_shard, u._compute_shard, *u.replicas.own_tensors()]
         if u.frozen is not None:  # frozen at wrap time: its shard in its dtype (+ compute copy or codes)
             tensors += [u.frozen.shard, u.frozen._compute, u.frozen._packed]
     for t in tensors:

@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint.state_dict as dsd
 
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.shard_layout import ShardLayout
@@ -124,12 +123,6 @@ def split_sharded(model: DistributedModel, state_dict: Mapping[str, Any], strict
 
 
 # ---- the optimizer ----------------------------------------------------------------------------
-
-
-def init_state(optimizer: torch.optim.Optimizer) -> None:
-    """torch's get_optimizer_state_dict fills an empty optimizer's state by a step with lr 0 and zero
-    gradients, so `dcp.load` has tensors to load into; the same on the torch optimizer that holds ours."""
-    dsd._init_optim_state(optimizer)
 
 
 def is_alias(value: Any, live: Any) -> bool:

@@ -33,12 +33,10 @@ def writes_owned(coords: RankCoords, replica_sharded: bool) -> bool:
     return coords.tp_rank == 0 and (coords.replica == 0 or replica_sharded)
 
 
-def collect_owned(
-    optimizer: DistributedOptimizer, coords: RankCoords, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
-) -> None:
-    """Add this rank's owned state (whole tensors) to its file and index entries."""
-    if not writes_owned(coords, optimizer.sharded_state.replica_sharded):
-        return
+def owned_entries(optimizer: DistributedOptimizer, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The whole state of the parameters this rank owns: tensors added to `tensors` as `owned/<name>/<fqn>`,
+    and per FQN {"tensors": {name: [dtype, shape]}, "scalars": {...}} (partial checkpoints and snapshots)."""
+    out: dict[str, Any] = {}
     state = optimizer.optimizer.state
     for fqn, leaf, mine in optimizer.owned_leaves():
         entry = state.get(leaf) if mine else None
@@ -47,17 +45,22 @@ def collect_owned(
         whole, scalars = {}, {}
         for k, v in entry.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                whole[k] = v
+                whole[k] = [dtype_name(v.dtype), list(v.shape)]
                 tensors[owned_key(k, fqn)] = v.contiguous()
             else:
                 scalars[k] = ix.encode(v, where=f"optimizer state {k!r} of {fqn!r}")
-        meta[fqn] = {
-            PREFIX: {
-                "file": ix.shard_file(coords.rank),
-                "tensors": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in whole.items()},
-                "scalars": scalars,
-            }
-        }
+        out[fqn] = {"tensors": whole, "scalars": scalars}
+    return out
+
+
+def collect_owned(
+    optimizer: DistributedOptimizer, coords: RankCoords, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
+    """Add this rank's owned state (whole tensors) to its file and index entries."""
+    if not writes_owned(coords, optimizer.sharded_state.replica_sharded):
+        return
+    for fqn, entry in owned_entries(optimizer, tensors).items():
+        meta[fqn] = {PREFIX: {"file": ix.shard_file(coords.rank), **entry}}
 
 
 def owned_files(index: dict[str, Any], optimizer: DistributedOptimizer) -> set[str]:
@@ -83,12 +86,17 @@ def load_owned(read: Any, index: dict[str, Any], optimizer: DistributedOptimizer
             )
         if not mine:
             continue
-        owned = meta[PREFIX]
-        entry: dict[str, Any] = {k: ix.decode(v, device=leaf.device) for k, v in owned["scalars"].items()}
-        for k, (dtype, shape) in owned["tensors"].items():
-            t = read(owned["file"], owned_key(k, fqn))
-            if t.dtype != dtype_of(dtype) or list(t.shape) != list(shape):
-                raise CheckpointError(f"{where}: {owned_key(k, fqn)} is {t.dtype} {list(t.shape)}, not {shape}")
-            entry[k] = t.to(leaf.device)
-        state[leaf] = entry
+        file = meta[PREFIX]["file"]
+        state[leaf] = owned_entry(meta[PREFIX], lambda key, file=file: read(file, key), fqn, leaf.device, where)
     return handled
+
+
+def owned_entry(saved: dict[str, Any], read: Any, fqn: str, device: torch.device, where: str) -> dict[str, Any]:
+    """One parameter's optimizer state from what `owned_entries` recorded; `read(key)` gives a tensor."""
+    entry: dict[str, Any] = {k: ix.decode(v, device=device) for k, v in saved["scalars"].items()}
+    for k, (dtype, shape) in saved["tensors"].items():
+        t = read(owned_key(k, fqn))
+        if t.dtype != dtype_of(dtype) or list(t.shape) != list(shape):
+            raise CheckpointError(f"{where}: {owned_key(k, fqn)} is {t.dtype} {list(t.shape)}, not {shape}")
+        entry[k] = t.to(device)
+    return entry

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from shardpar.checkpoint import index as ix
+from shardpar.checkpoint.owned_state import owned_entries
 from shardpar.checkpoint.pieces import fqn_of_piece, persistent_buffers, piece_of, slots, split_state
 from shardpar.checkpoint.safetensors_io import dtype_name
 from shardpar.optim.optimizer import DistributedOptimizer
@@ -109,12 +110,15 @@ def collect(
     pieces: dict[str, list[int]] = {}
     state_meta: dict[str, Any] = {}
     steps: list[float] = []
+    owned = {id(leaf) for _, leaf, _ in optimizer.owned_leaves()} if optimizer is not None else set()
     for s in slots(model):
         if not s.length:
             continue
         pieces[s.fqn] = [s.start, s.length]
         tensors[ix.param_key(s.fqn)] = s.value.reshape(-1)
         piece = piece_of(optimizer, s.param) if optimizer is not None else None
+        if piece is not None and id(piece) in owned:
+            piece = None  # stepped whole on its owner: its state is in "owned" below
         state = optimizer.optimizer.state.get(piece) if optimizer is not None and piece is not None else None
         if state:
             per_element, scalars = split_state(s, state)
@@ -127,11 +131,17 @@ def collect(
             step = state.get("step")
             if isinstance(step, (int, float, torch.Tensor)) and not isinstance(step, bool):
                 steps.append(float(step))
+    # Owner-held state ([Note: owner compute]): each owner writes the whole state of what it owns, as partial
+    # checkpoints do (owned_state.py). A snapshot loads on the same layout only, so the same ranks own the
+    # same parameters then; a replica peer owns the same ones and holds the same state.
+    owned_meta = owned_entries(optimizer, tensors) if optimizer is not None else {}
+    steps += [_number(ix.decode(m["scalars"]["step"])) for m in owned_meta.values() if "step" in m["scalars"]]
     for name, buf in persistent_buffers(model).items():
         tensors[ix.buffer_key(name)] = buf
     meta: dict[str, Any] = {
         "pieces": pieces,
         "state": state_meta,
+        "owned": owned_meta,
         # the optimizer's own step count (Adam's `step`): what a disk checkpoint's index records as "step",
         # so the two kinds are compared on the same scale (snapshot_load.newest)
         "optimizer_step": int(max(steps)) if steps else None,
@@ -142,6 +152,10 @@ def collect(
     if torch.cuda.is_available():
         meta["rng"]["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
     return tensors, meta
+
+
+def _number(step: Any) -> float:
+    return float(step) if isinstance(step, (int, float, torch.Tensor)) and not isinstance(step, bool) else 0.0
 
 
 def _optimizer_meta(model: DistributedModel, optimizer: DistributedOptimizer | None) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ from shardpar.checkpoint import atomic
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint import snapshot as snap
 from shardpar.checkpoint.atomic import Coordinator
+from shardpar.checkpoint.owned_state import owned_entry
 from shardpar.checkpoint.pieces import buffer_shape_problems, fqn_of_piece, persistent_buffers, piece_of, slots
 from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_of
 from shardpar.collectives.native import broadcast_object
@@ -258,6 +259,11 @@ def _apply(
                     value = _tensor(trailer, data, ix.state_key(k, s.fqn)).view(s.shape).to(piece.device, copy=True)
                     entry[k] = ShardedTensor(value, piece.shard_layout) if isinstance(piece, ShardedTensor) else value
                 state[piece] = entry
+            for fqn, leaf, mine in optimizer.owned_leaves():  # the same owners as when it was taken (same layout)
+                saved_owned = trailer.get("owned", {}).get(fqn)
+                if mine and saved_owned is not None:  # copies: the payload is a mapping of the file
+                    read = lambda key: _tensor(trailer, data, key).clone()  # noqa: E731
+                    state[leaf] = owned_entry(saved_owned, read, fqn, leaf.device, "snapshot")
             if plan is not None:
                 optimizer.load_loss_scaler_state(trailer["loss_scaler"], plan)
     rng = trailer.get("rng")

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint.state_dict as dsd
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 
-from shardpar.checkpoint import dcp_state_dict
+from shardpar.checkpoint import dcp_owned, dcp_state_dict
 from shardpar.optim.chained import OptimizerList
 from shardpar.optim.optimizer import DistributedOptimizer
 from shardpar.runtime import write_guard
@@ -67,6 +67,13 @@ class _Stepped:
     fqn: str
     layout: ShardLayout
     requires_grad: bool
+    owned: bool = False  # stepped whole on an owner rank (dcp_owned.py)
+    mine: bool = False  # ... and this rank is its owner
+
+    @property
+    def elsewhere(self) -> bool:
+        """Owner-stepped on another rank: no state here."""
+        return self.owned and not self.mine
 
 
 def _inner(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, DistributedOptimizer | None]:
@@ -79,13 +86,6 @@ def _inner(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, Dis
             break
         seen = wrapped
     if isinstance(seen, DistributedOptimizer):
-        if seen.owners or isinstance(seen.optimizer, OptimizerList):
-            raise ValueError(
-                f"torch.distributed.checkpoint.state_dict's optimizer state of {seen.optimizer!r}: an optimizer "
-                "that is not element-wise keeps each parameter's state whole on one owner rank (and a list of "
-                "optimizers has no single torch state dict); save and resume it with smp.save_checkpoint / "
-                "smp.resume_from_checkpoint, which reshard it"
-            )
         return seen.optimizer, seen
     return seen, None  # a plain torch optimizer over model.parameters(): it steps the ShardedTensors
 
@@ -94,6 +94,7 @@ def _stepped(model: DistributedModel, dist: DistributedOptimizer | None) -> dict
     """id(tensor in the optimizer's param groups) -> what it is; names as `named_parameters()` gives
     them (a tied parameter under its first name, as torch's single-process state dict)."""
     state = model.sharded_state
+    owned = dcp_owned.owned_ids(dist)
     out: dict[int, _Stepped] = {}
     for name, p in model.named_parameters():
         piece = state.piece_of(p)  # the user parameter, or the compute one after model.unshard()
@@ -104,7 +105,9 @@ def _stepped(model: DistributedModel, dist: DistributedOptimizer | None) -> dict
             raise AssertionError(f"{name}: no sharded parameter behind it")
         stepped = dist.main_piece(p) if dist is not None else user
         if stepped is not None:
-            out[id(stepped)] = _Stepped(name, user.shard_layout, piece.param.requires_grad)
+            mine = owned.get(id(stepped))
+            layout, trained = user.shard_layout, piece.param.requires_grad
+            out[id(stepped)] = _Stepped(name, layout, trained, owned=mine is not None, mine=bool(mine))
     return out
 
 
@@ -128,7 +131,10 @@ def _param_names(optimizer: torch.optim.Optimizer, stepped: Mapping[int, _Steppe
 def _full(value: Any, where: _Stepped, full: bool = True) -> Any:
     """A state value at the parameter's full shape: per-element tensors gathered, the rest copied; not
     `full`: per-element tensors as ShardedTensors aliasing this rank's piece, the rest as they are (what
-    torch's sharded state dict holds, so that DCP loads into them in place)."""
+    torch's sharded state dict holds, so that DCP loads into them in place). Owner-held state is whole
+    already (dcp_owned.py)."""
+    if where.owned:
+        return dcp_owned.state_value(value, full=full)
     if not full:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             local = value.local_piece if isinstance(value, ShardedTensor) else value
@@ -152,15 +158,27 @@ def optimizer_state_dict(
     Not `full`: the sharded form (dcp_state_dict.py), no collective. An empty state is filled first, as
     torch does (a step with lr 0 on zero gradients), so a fresh optimizer has tensors to load into."""
     inner, dist = _inner(optimizer)
-    # init_state may step, and the sharded form hands out views dcp.load writes into
+    # the init step writes the state, and the sharded form hands out views dcp.load writes into
     write_guard.before_write("get_optimizer_state_dict()")
-    dcp_state_dict.init_state(inner)
-    groups = _param_names(inner, _stepped(model, dist))
-    flat = [where for group in groups for where in group]
-    packed = inner.state_dict()  # param ids are positions in param-group order
-    state = {flat[i].fqn: {k: _full(v, flat[i], full) for k, v in s.items()} for i, s in packed[STATE].items()}
-    param_groups = [{**g, PARAMS: [flat[i].fqn for i in g[PARAMS]]} for g in packed[GROUPS]]
+    dcp_owned.init_state(inner, dist)
+    stepped = _stepped(model, dist)
+    state: dict[str, Any] = {}
+    param_groups: list[dict[str, Any]] = []
+    for one in _torch_optimizers(inner):  # a list of optimizers: their groups one after the other
+        flat = [where for group in _param_names(one, stepped) for where in group]
+        packed = one.state_dict()  # param ids are positions in param-group order
+        for i, s in packed[STATE].items():
+            where = flat[i]
+            state[where.fqn] = {k: _full(v, where, full) for k, v in s.items()}
+        param_groups += [{**g, PARAMS: [flat[i].fqn for i in g[PARAMS]]} for g in packed[GROUPS]]
+    owned = {w.fqn for w in stepped.values() if w.owned}
+    if full and owned and dist is not None:  # the same on every rank: the owner plan is global
+        dcp_owned.gather_full(dist, state, owned)
     return {STATE: state, GROUPS: param_groups}
+
+
+def _torch_optimizers(inner: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    return list(inner.optimizers) if isinstance(inner, OptimizerList) else [inner]
 
 
 def _piece(value: Any, where: _Stepped, like: torch.Tensor, live: Any = None) -> Any:
@@ -214,22 +232,34 @@ def load_optimizer_state_dict(
         for p, where in zip(group[PARAMS], named, strict=True)
     ]
     saved_state = state_dict[STATE]
-    missing = [w.fqn for _, w in flat if w.requires_grad and w.fqn not in saved_state]
+    missing = [w.fqn for _, w in flat if w.requires_grad and not w.elsewhere and w.fqn not in saved_state]
     if strict and missing:
         raise ValueError(
             f"optimizer state dict has no state for {len(missing)} trainable parameters, e.g. {missing[0]!r}; "
             "pass StateDictOptions(strict=False) to load it anyway"
         )
-    state = {
-        i: {k: _piece(v, where, p, inner.state.get(p, {}).get(k)) for k, v in saved_state[where.fqn].items()}
-        for i, (p, where) in enumerate(flat)
-        if where.fqn in saved_state
-    }
-    positions, params = iter(range(len(flat))), []
-    for group in saved_groups:
-        params.append({**group, PARAMS: [next(positions) for _ in group[PARAMS]]})
     write_guard.before_write("set_optimizer_state_dict()")
-    inner.load_state_dict({STATE: state, GROUPS: params})
+    first = 0
+    for one in _torch_optimizers(inner):  # a list of optimizers: each its own groups, in order
+        count = len(one.param_groups)
+        held = flat[first : first + sum(len(g[PARAMS]) for g in one.param_groups)]
+        first += len(held)
+        state = {
+            i: {k: _load_value(v, where, p, one.state.get(p, {}).get(k)) for k, v in saved_state[where.fqn].items()}
+            for i, (p, where) in enumerate(held)
+            if where.fqn in saved_state and not where.elsewhere  # another rank's owner keeps that state
+        }
+        positions, params = iter(range(len(held))), []
+        for group in saved_groups[:count]:
+            params.append({**group, PARAMS: [next(positions) for _ in group[PARAMS]]})
+        saved_groups = saved_groups[count:]
+        one.load_state_dict({STATE: state, GROUPS: params})
+
+
+def _load_value(value: Any, where: _Stepped, p: torch.Tensor, live: Any) -> Any:
+    if where.owned:
+        return dcp_owned.load_value(value, live, p, where.fqn)
+    return _piece(value, where, p, live)
 
 
 def unflatten_optimizer_state_dict(

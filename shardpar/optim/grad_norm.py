@@ -22,17 +22,17 @@ from collections.abc import Mapping
 
 import torch
 
-from shardpar.runtime.state import ShardedState
+from shardpar.optim.sharded_state import OptimizerState
 from shardpar.sharding.tp_split import TPSplit
 
 
-def grad_norm_squared(state: ShardedState, splits: Mapping[str, TPSplit] | None = None) -> torch.Tensor:
+def grad_norm_squared(state: OptimizerState, splits: Mapping[str, TPSplit] | None = None) -> torch.Tensor:
     """[1] tensor: the squared L2 norm of all (still loss-scaled) main grads of the full model.
     `splits`: the TP-split parameters by name (tp_split_table); empty or None without TP."""
     return reduce_grad_norm_squared(state, local_grad_norm_squared(state, splits), splits)
 
 
-def local_grad_norm_squared(state: ShardedState, splits: Mapping[str, TPSplit] | None = None) -> torch.Tensor:
+def local_grad_norm_squared(state: OptimizerState, splits: Mapping[str, TPSplit] | None = None) -> torch.Tensor:
     """This rank's share of the squared norm, before any collective: [all] without TP splits,
     [TP-split, TP-replicated] with them. Non-finite exactly when this rank's counted grads are."""
     coords = state.topology.coords
@@ -51,7 +51,7 @@ def local_grad_norm_squared(state: ShardedState, splits: Mapping[str, TPSplit] |
 
 
 def reduce_grad_norm_squared(
-    state: ShardedState, parts: torch.Tensor, splits: Mapping[str, TPSplit] | None = None
+    state: OptimizerState, parts: torch.Tensor, splits: Mapping[str, TPSplit] | None = None
 ) -> torch.Tensor:
     """[1]: the global squared norm from every rank's `local_grad_norm_squared` (reduced in place)."""
     topology = state.topology

@@ -26,11 +26,9 @@ from shardpar.optim.nonfinite import NonFiniteGuard, gather_culprits
 from shardpar.optim.nonfinite import log as nonfinite_log
 from shardpar.optim.optimizer_v1 import OptimizerV1Mixin
 from shardpar.optim.owner_compute import OwnerCompute
-from shardpar.optim.sharded_state import OptimizerState
+from shardpar.optim.sharded_state import OptimizerState, Piece, ShardedState
 from shardpar.precision import precision_name
-from shardpar.runtime import write_guard
 from shardpar.runtime.model import DistributedModel
-from shardpar.runtime.state import Piece
 from shardpar.sharding.tp_split import TPSplit
 
 
@@ -57,9 +55,10 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         consecutive non-finite steps skipped before step() raises (None: the model's config knob
         sdp_max_nonfinite_steps; [Note: non-finite steps] in nonfinite.py). `clip_norm` and `clip_owner`: the
         clipping in force ([Note: clipping belongs to the user's front end] in clipping.py)."""
-        if tp_splits is None and model.topology.tp.size > 1:  # the plain norm would differ per TP rank
+        self.view = OptimizerState(model, tp_splits)  # the optimizer's one way into the model's state
+        if tp_splits is None and self.view.topology.tp.size > 1:  # the plain norm would differ per TP rank
             raise ValueError(
-                f"DistributedOptimizer of a model with tensor_parallel_degree={model.topology.tp.size} needs its "
+                f"DistributedOptimizer of a model with tensor_parallel_degree={self.view.topology.tp.size} needs its "
                 "TP split table (tp_splits=tensor_parallel.tp_split_table(model.module)); smp.DistributedOptimizer "
                 "passes it"
             )
@@ -69,19 +68,16 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         for o in inner:
             check_optimizer(o)  # LBFGS, SparseAdam
         self.optimizer: torch.optim.Optimizer = optimizer
-        self.model = model
-        self.sharded_state = model.sharded_state
-        self.view = OptimizerState(model, tp_splits)
+        self.model = model  # which model this optimizer steps (the facade and integrations compare it)
         self._clipped_by_user = False  # clip_master_grads ran in this window: step() does not clip again
         self._clipping = Clipping(clip_norm, clip_owner)
         self.tp_splits = tp_splits
-        self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler(1.0)
+        self.loss_scaler = loss_scaler or StaticLossScaler(1.0)  # the window reads its scale from here on
         self.overflow = False  # fp16: the last step overflowed (and was skipped)
         self.skipped = False  # the last step was skipped (fp16 overflow, or non-finite in bf16/fp32)
-        limit = model.shardpar_config.sdp_max_nonfinite_steps if max_nonfinite_steps is None else max_nonfinite_steps
+        limit = self.view.max_nonfinite_steps if max_nonfinite_steps is None else max_nonfinite_steps
         self.nonfinite_guard = NonFiniteGuard(limit)
         self.num_steps = 0  # step() calls that got past the window check, skipped ones included
-        model.window.set_loss_scale(self.loss_scaler.loss_scale)
         self._main_piece: dict[int, torch.Tensor] = {}  # leaf stepped for a compute or user parameter id
         self._grad_slots: list[tuple[torch.Tensor, Piece]] = []  # (main piece, where it lies) of trainable params
         self.owners: list[OwnerCompute] = []  # one per optimizer that is not element-wise
@@ -96,24 +92,24 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         steps each sharded parameter whole on one owner rank ([Note: owner compute], owner_compute.py):
         its leaf is the whole parameter there and empty elsewhere. Persistent parameters are whole on
         every rank: every rank steps them as they are, whatever the optimizer."""
-        state, user_params = self.sharded_state, self.model.user_params
-        user_of = {id(where.param): u for where, u in zip(state.pieces, user_params.user, strict=True)}
+        view = self.view
+        user_of = {id(where.param): u for where, u in zip(view.pieces, view.users, strict=True)}
         for o in inner:
             if is_elementwise(o):
                 continue
             ids = {id(p) for g in o.param_groups for p in g["params"]}
             whole = [
                 w
-                for w in state.pieces
+                for w in view.pieces
                 if w.sharded and not w.frozen and (id(w.param) in ids or id(user_of[id(w.param)]) in ids)
             ]
             self.owners.append(OwnerCompute(self.view, whole, owner_kind(o)))
         owned = {k: v for oc in self.owners for k, v in oc.leaves().items()}
-        for where in state.pieces:
+        for where in view.pieces:
             p, user = where.param, user_of[id(where.param)]
             piece = owned.get(id(p))
             if piece is None:
-                piece = nn.Parameter(state.main(where), requires_grad=p.requires_grad)
+                piece = nn.Parameter(view.main(where), requires_grad=p.requires_grad)
                 if p.requires_grad:
                     self._grad_slots.append((piece, where))
             self._main_piece[id(p)] = piece
@@ -124,7 +120,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
             raise ValueError(
                 "the optimizer already has state; wrap it with smp.DistributedOptimizer before its first step"
             )
-        names = {id(p): n for n, p in self.model.module.named_parameters(remove_duplicate=False)}
+        names = self.view.param_names()
         for group in self.optimizer.param_groups:
             new_params = []
             for p in group["params"]:
@@ -135,6 +131,11 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
                     )
                 new_params.append(self._main_piece[id(p)])
             group["params"] = new_params
+
+    @property
+    def sharded_state(self) -> ShardedState:
+        """The model's sharded state (checkpoints read it); optim/ itself goes through `view`."""
+        return self.view.sharded
 
     # ---- step ---------------------------------------------------------------------------------
 
@@ -159,7 +160,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         """Hand the built-in clipping to a front end: `owner` TRAINER (max_grad_norm) or ACCELERATE (0).
         Rank 0 logs the change: the wrap summary named the knob's clipping before the front end took over."""
         self._clipping = Clipping(float(max_norm), owner)
-        if self.model.topology.rank == 0:
+        if self.view.topology.rank == 0:
             logging.getLogger("shardpar").info("clipping in force: %s", self._clipping)
 
     @property
@@ -171,7 +172,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
     def clipped_by_user(self) -> bool:
         """A clip ran in the open window (clip_master_grads, accelerator.clip_grad_norm_, or
         torch.nn.utils.clip_grad_norm_ on the model's parameters): `step()` does not clip again."""
-        return self._clipped_by_user or self.model.user_params.clip_watch.clipped
+        return self._clipped_by_user or self.view.user_clipped
 
     def grad_norm_squared(self) -> torch.Tensor:
         """Squared global L2 norm of the (still scaled) grads: every element counted once.
@@ -183,7 +184,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         A tensor-parallel model sums its TP-split grads over the TP group too and counts TP-replicated
         ones once (shardpar/optim/grad_norm.py).
         """
-        return grad_norm_squared(self.sharded_state, self.tp_splits)
+        return grad_norm_squared(self.view, self.tp_splits)
 
     def _unscale_and_clip(self, sq: torch.Tensor, scale: float, clip_norm: float) -> torch.Tensor:
         """Divide out the loss scale the gradients carry and apply sdp_gradient_clipping, as one
@@ -205,26 +206,25 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure (the model is sharded)")
-        self.view.window.check_step()  # before anything changes
+        self.view.check_step()  # before anything changes
         # What the user did to the parameters' .grad since backward ([Note: user gradients],
         # runtime/user_params.py): a dropped grad is zeroed, so the norm below leaves it out too.
-        dropped = self.model.user_params.sync()
+        dropped = self.view.sync_user_grads()
         self.num_steps += 1
         # The norm is computed at every step (one AllReduce of one float when neither clipping nor a
         # loss scale needed it): the non-finite guard reads it ([Note: non-finite steps], nonfinite.py).
-        parts = local_grad_norm_squared(self.sharded_state, self.tp_splits)
+        parts = local_grad_norm_squared(self.view, self.tp_splits)
         local_finite = torch.isfinite(parts).all()  # before the AllReduce overwrites them; no sync
-        sq = reduce_grad_norm_squared(self.sharded_state, parts, self.tp_splits)
-        scale = self.view.window.loss_scale  # what this window's backwards multiplied the loss by
+        sq = reduce_grad_norm_squared(self.view, parts, self.tp_splits)
+        scale = self.loss_scaler.loss_scale  # what this window's backwards multiplied the loss by
         # The only host sync of the step: an inf/nan on any rank makes the norm non-finite on every
         # rank alike, so each decides the skip the same way without talking.
         finite = bool(torch.isfinite(sq).all().item())
-        if self.model.policy.compute == torch.float16:
+        if self.view.compute_dtype == torch.float16:
             # fp16, whatever the scale and clipping: the loss scaler's rule, without a limit.
             self.overflow = self.skipped = not finite
             self.loss_scaler.update(self.overflow)
             if self.overflow:
-                self.view.window.set_loss_scale(self.loss_scaler.loss_scale)
                 self._end_step()
                 return None
         elif not finite:
@@ -239,7 +239,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         # From here on the main values and the optimizer state change (owner compute re-reads its whole
         # values in _attach_grads): an async checkpoint still copying them finishes first ([Note: writes
         # wait for staging] in runtime/write_guard.py). Not earlier: the norm's AllReduce overlaps the copy.
-        write_guard.before_write("DistributedOptimizer.step()")
+        self.view.will_write("DistributedOptimizer.step()")
         self._attach_grads(dropped)
         result = self.optimizer.step()
         for owners in self.owners:
@@ -247,19 +247,18 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         self.view.refresh_compute()
         for owners in self.owners:
             owners.mark_values_current()
-        self.view.window.set_loss_scale(self.loss_scaler.loss_scale)
         self._end_step()
         return result
 
     def _skip_nonfinite(self, sq: torch.Tensor, local_finite: torch.Tensor) -> None:
         """bf16/fp32: skip the step on every rank (nothing is written), name the ranks, count the skip;
         past sdp_max_nonfinite_steps in a row, raise NonFiniteError on every rank."""
-        topology = self.model.topology
+        topology = self.view.topology
         culprits = gather_culprits(
-            self.model.engine,
+            self.view.engine,
             topology.group("world"),
             topology.rank,
-            loss_bad=self.model.nonfinite_losses > 0,
+            loss_bad=self.view.nonfinite_losses > 0,
             shard_bad=~local_finite,
         )
         self.skipped = True
@@ -273,20 +272,13 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
 
     def _end_step(self) -> None:
         self._clipped_by_user = False
-        self.model.user_params.clip_watch.reset()
-        self.model.nonfinite_losses.zero_()  # the losses of the window just stepped (or skipped)
-        self.model.end_step()
+        self.view.end_step()  # the window just stepped (or skipped) is over: its losses, a clip of it
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The model's zero_grad (the one implementation: the window, its losses, the main and user
+        grads), then the .grad of the leaves this optimizer steps."""
         self._clipped_by_user = False
-        self.model.user_params.clip_watch.reset()
-        self.model.reset_window()  # the window's gradients are dropped
-        self.model.nonfinite_losses.zero_()  # and what model.backward saw of their losses
-        if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped
-            self.model.reset_grad_usage()
-        self.sharded_state.clear_grads(set_to_none=set_to_none)
-        if set_to_none:
-            self.model.user_params.clear_grads()
+        self.view.zero_grad(set_to_none)
         for piece, _ in self._grad_slots:
             piece.grad = None
         for owners in self.owners:
@@ -327,7 +319,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         state.pop("_smp_is_partial", None)  # SMP v1's marker on local_state_dict()
         scaler = state.pop("loss_scaler", None)
         plan = self.plan_loss_scaler_load(scaler) if scaler is not None else None
-        write_guard.before_write("DistributedOptimizer.load_state_dict()")
+        self.view.will_write("DistributedOptimizer.load_state_dict()")
         self.optimizer.load_state_dict(state)
         if plan is not None:
             self.load_loss_scaler_state(scaler, plan)
@@ -343,7 +335,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
             raise ValueError(f"clip_master_grads(norm_type={norm_type!r}): only the L2 norm (2.0) is supported")
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"clip_master_grads(max_norm={max_norm!r}) must be a number > 0")
-        norm = self.grad_norm_squared().sqrt() / self.view.window.loss_scale
+        norm = self.grad_norm_squared().sqrt() / self.loss_scaler.loss_scale
         if bool(torch.isfinite(norm).all()):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s formula
             for grad in self.view.main_grads():
@@ -360,25 +352,35 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
 
     def _originals(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(user parameter, the leaf the optimizer steps for it) per parameter."""
-        state, user = self.sharded_state, self.model.user_params.user
-        return [(u, self._main_piece[id(where.param)]) for where, u in zip(state.pieces, user, strict=True)]
+        view = self.view
+        return [(u, self._main_piece[id(where.param)]) for where, u in zip(view.pieces, view.users, strict=True)]
 
-    # ---- loss scaler in checkpoints -----------------------------------------------------------
+    # ---- loss scaler ([Note: one owner of the loss scale], runtime/window.py) ----------------------
+
+    @property
+    def loss_scaler(self) -> LossScaler:
+        """The fp16 loss scaler: the one owner of the loss scale, which `model.backward` reads through
+        the window. Assigning another scaler hands the window that one."""
+        return self._loss_scaler
+
+    @loss_scaler.setter
+    def loss_scaler(self, scaler: LossScaler) -> None:
+        self._loss_scaler = scaler
+        self.view.use_scaler(scaler)
 
     def loss_scaler_state(self) -> dict[str, Any]:
         """The scaler's state and the precision it served, so a resume can tell whether it applies."""
-        return {**self.loss_scaler.state_dict(), "precision": precision_name(self.model.policy.compute)}
+        return {**self.loss_scaler.state_dict(), "precision": precision_name(self.view.compute_dtype)}
 
     def plan_loss_scaler_load(self, saved: dict[str, Any]) -> ScalerResume:
         """Whether `saved` applies to this run; ValueError naming the field when it is malformed."""
-        return plan_scaler_resume(saved, self.loss_scaler, self.model.policy.compute)
+        return plan_scaler_resume(saved, self.loss_scaler, self.view.compute_dtype)
 
     def load_loss_scaler_state(self, saved: dict[str, Any], plan: ScalerResume) -> None:
         if plan.warning is not None:
             warnings.warn(plan.warning, stacklevel=3)
         if plan.apply:
-            self.loss_scaler.load_state_dict(saved)
-        self.view.window.set_loss_scale(self.loss_scaler.loss_scale)  # what model.backward multiplies by
+            self.loss_scaler.load_state_dict(saved)  # model.backward multiplies by the loaded scale from now on
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         raise ValueError("add_param_group after wrapping is not supported; build all groups before wrapping")

@@ -11,16 +11,13 @@ from typing import Any
 
 import torch
 
-from shardpar.runtime import deepspeed_views
-from shardpar.runtime.model import DistributedModel
-from shardpar.runtime.state import ShardedState
+from shardpar.optim.sharded_state import FlatPartitions, OptimizerState
 from shardpar.v1_notes import note_once
 
 
 class OptimizerV1Mixin:
     # Set by DistributedOptimizer.__init__ (optim/optimizer.py).
-    model: DistributedModel
-    sharded_state: ShardedState
+    view: OptimizerState
     last_grad_norm: torch.Tensor | None
     optimizer: torch.optim.Optimizer
 
@@ -36,7 +33,7 @@ class OptimizerV1Mixin:
         `gather_if_shard` (v1: gather shard_optimizer_state's pieces to rdp rank 0) changes nothing: each
         rank keeps its own piece, and smp.save_checkpoint writes every piece and reshards them on resume.
         `cast_to_cpu` moves the tensors to the CPU."""
-        if gather_if_shard and self.model.shardpar_config.shard_optimizer_state:
+        if gather_if_shard and self.view.shard_optimizer_state:
             note_once(
                 "optimizer.local_state_dict(gather_if_shard=True)",
                 "each rank's dict holds its own piece of the sharded optimizer state (nothing is gathered to rdp "
@@ -54,30 +51,18 @@ class OptimizerV1Mixin:
     @property
     def ds_param_shard_group(self) -> Any:
         """SMP v1 / DeepSpeed: the torch.distributed process group the parameters' partitions split over."""
-        user = self.model.user_params.user
-        if not user:
-            raise ValueError("ds_param_shard_group: the model has no parameters")
-        return deepspeed_views.process_group(user[0].shard_layout.comm.sharding)
+        return self.view.shard_process_group()
 
     @property
-    def fp32_partitioned_groups_flat(self) -> list[deepspeed_views.FlatPartitions]:
+    def fp32_partitioned_groups_flat(self) -> list[FlatPartitions]:
         """SMP v1 / DeepSpeed: per param group, the fp32 main partitions of its parameters end to end, in
         the group's order, each as long as that parameter's `p.ds_tensor.ds_numel`: live views of the fp32
         main shards (deepspeed_views.FlatPartitions)."""
-        user = self.model.user_params.user  # the ShardedTensors, in _originals() order
-        user_of = {id(piece): user[i] for i, (_, piece) in enumerate(self._originals())}
-        groups = []
-        for group in self.optimizer.param_groups:
-            users = [user_of[id(p)] for p in group["params"]]
-            parts = [deepspeed_views.partition(self.sharded_state.main(self._piece(u)), u.shard_layout) for u in users]
-            groups.append(deepspeed_views.FlatPartitions(parts, [u.shard_layout.fqn for u in users]))
-        return groups
-
-    def _piece(self, user: torch.Tensor) -> Any:
-        piece = self.sharded_state.piece_of(user)
-        if piece is None:
-            raise AssertionError("a parameter of the optimizer has no piece in the model's sharded state")
-        return piece
+        user_of = {id(piece): u for u, piece in self._originals()}  # the ShardedTensors
+        return [
+            self.view.fp32_partitions([user_of[id(p)] for p in group["params"]])
+            for group in self.optimizer.param_groups
+        ]
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -34,8 +34,7 @@ import torch
 from torch import nn
 
 from shardpar.optim.ownership import OwnerPlan, plan_owners
-from shardpar.optim.sharded_state import OptimizerState
-from shardpar.runtime.state import Piece
+from shardpar.optim.sharded_state import OptimizerState, Piece
 
 
 @dataclass
@@ -131,6 +130,10 @@ class OwnerCompute:
     def mark_values_current(self) -> None:
         """After the step's refresh: the owners' copies are what the shards hold."""
         self._seen_version = self.view.values_version
+
+    def forget_values(self) -> None:
+        """The owners' copies may differ from the shards (written outside a step): gather at the next step."""
+        self._seen_version = -1
 
     # ---- pieces <-> wholes -----------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from shardpar.runtime.model_state_dict import StateDictMixin
 from shardpar.runtime.model_v1 import V1Mixin
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.reducer import GradReducer, plan_buckets
-from shardpar.runtime.replica_shard import ReplicaShard, replica_comm
+from shardpar.runtime.replica_shard import replica_comm
 from shardpar.runtime.schedule import LiveCounter, Scheduler
 from shardpar.runtime.sharded_tensor import ShardComm
 from shardpar.runtime.state import ShardedState
@@ -118,7 +118,8 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             materialize=values,
         )
         self.live = LiveCounter()
-        # shard_optimizer_state ([Note: replica-sharded main], replica_shard.py); None when off or one replica
+        # shard_optimizer_state ([Note: replica-sharded main], replica_shard.py): each unit's strategy
+        # ([Note: the replica strategy]); NoReplicas when off or one replica
         self.replicas = replica_comm(config.shard_optimizer_state, topology, engine)
         self.units = self._build_units(plans, values)
         settle_frozen_mode(self.units, config, topology, engine, self.device)  # frozen_modes.py
@@ -256,7 +257,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         for up in plans:
             # Units without sharded parameters are kept (they communicate nothing): their hooks still
             # hold the parameters they borrow (smp.register_parameter) and mark the start of backward.
-            align = 1 if self.replicas is None else self.replicas.size  # each shard splits over the replicas
+            align = self.replicas.align  # each shard splits over the replicas
             trained = [(n, p) for n, p in up.params if p.requires_grad]
             layout = flat_layout([(n, tuple(p.shape)) for n, p in trained], comm.sharding.size, align=align)
             # Frozen at wrap time: their own shard, in their dtype ([Note: frozen shards], frozen.py)
@@ -287,8 +288,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             )
             values.take_real(p for _, p in up.params)
             unit.take_shards_from_params(values, every_param=values.collective)
-            if self.replicas is not None:  # now, unit by unit: one unit's fp32 shard at a time beside the pieces
-                unit.replica = ReplicaShard(unit, self.replicas)
+            unit.replicas = self.replicas.strategy(unit)  # now: one unit's fp32 shard at a time beside the pieces
             units.append(unit)
         return units
 
@@ -333,11 +333,13 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             self.reducer.two_hop.drop_partials()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop (or zero) the gradients of the open window, as `optimizer.zero_grad()` does: the main
-        grads behind the user parameters' .grad, and the window's count of backward passes."""
+        """Drop (or zero) the gradients of the open window: the main grads behind the user parameters'
+        .grad, the window's count of backward passes, what `backward` saw of their losses, and a clip
+        of them. The one implementation: `optimizer.zero_grad()` calls it too."""
         self.reset_window()
         self.nonfinite_losses.zero_()
-        if set_to_none:
+        self.user_params.clip_watch.reset()
+        if set_to_none:  # like torch: grads that stay (zeroed) tensors keep being stepped
             self.reset_grad_usage()
             self.user_params.clear_grads()
         self.sharded_state.clear_grads(set_to_none=set_to_none)
@@ -349,7 +351,10 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         """Called by the optimizer after each step: closes the step in the communication records, and
         releases what a graph-recording forward that got no backward (a metric computed without
         torch.no_grad) left gathered -- the root keeps its parameters for the backward -- since those
-        values are stale now; the next forward gathers the stepped ones."""
+        values are stale now; the next forward gathers the stepped ones. The window just stepped (or
+        skipped) is over: its non-finite losses and a clip of its gradients are forgotten."""
+        self.user_params.clip_watch.reset()
+        self.nonfinite_losses.zero_()
         self.scheduler.release_all()
         self.user_params.reset()  # after model.unshard() the modules held the (now freed) compute parameters
         stats = getattr(self.engine, "stats", None)
@@ -399,12 +404,13 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
 
     @property
     def loss_scale(self) -> float:
-        """What `backward` multiplies the loss by: the DistributedOptimizer's fp16 loss scale."""
+        """What `backward` multiplies the loss by: the DistributedOptimizer's fp16 loss scale (its loss
+        scaler's, read through the window: [Note: one owner of the loss scale] in window.py)."""
         return self.window.loss_scale
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        self.window.set_loss_scale(value)
+        self.window.scaler.loss_scale = value  # the owner's value ([Note: one owner of the loss scale])
 
     @property
     def num_backward(self) -> int:

@@ -223,10 +223,10 @@ class GradReducer:
         fold = boundary and self.sharding.size == 1 and self.replication.size > 1
         self._replicate_scale = scale if fold else None
         # shard_optimizer_state: the units' pieces are per replica ([Note: replica-sharded main])
-        owned = fold and all(u.replica is not None for p in self.plans for u in p.units)
+        owned = fold and all(u.replicas.splits for p in self.plans for u in p.units)
         self._split = self.replication.size if owned else 1
         after = boundary and self.sharding.size > 1 and self.replication.size > 1 and self.two_hop is None
-        after = after and not any(u.replica is not None for p in self.plans for u in p.units)
+        after = after and not any(u.replicas.splits for p in self.plans for u in p.units)
         self._replicate_after = scale if after else None
         if self.two_hop is not None:
             self.two_hop.begin_backward(boundary=boundary, scale=scale)
@@ -340,10 +340,8 @@ class GradReducer:
         if scale is None:
             raise AssertionError("a bucket split by replica outside a boundary backward")
         for unit, column in zip(plan.units, plan.columns, strict=True):
-            if unit.replica is None:
-                raise AssertionError(f"unit {unit.name} has no replica piece")
             block = bucket[:, column // split : (column + unit.layout.shard_numel) // split]
-            unit.replica.fold(unit, block, scale=scale)
+            unit.replicas.fold(unit, block, scale=scale)  # raises for a unit without a replica piece
         out = torch.empty(plan.width // split, dtype=self.reduce_dtype, device=self.device)
         work = self.engine.reduce_scatter(out, bucket.reshape(-1), self.replication, op=ReduceOp.AVG, async_op=True)
         self._inflight.append(_Inflight(work, plan, out, replicated=True, split=split))
@@ -388,8 +386,8 @@ class GradReducer:
             if item.out is None:
                 continue  # kept for the boundary's cross hop ([Note: cross hop at the boundary])
             for unit, piece in item.plan.pieces(item.out, item.split):
-                if item.split > 1 and unit.replica is not None:
-                    unit.replica.take_grad(piece)  # this rank's piece ([Note: replica-sharded main])
+                if item.split > 1:  # split only when every unit has a replica piece (begin_backward)
+                    unit.replicas.take_grad(piece)  # this rank's piece ([Note: replica-sharded main])
                 elif item.replicated:
                     unit.adopt_main_grad(piece)
                 else:

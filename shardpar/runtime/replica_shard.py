@@ -53,7 +53,7 @@ replication group first: a full export then runs on every replica, not only on r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -76,12 +76,35 @@ class ReplicaComm:
     def size(self) -> int:
         return self.replication.size
 
+    @property
+    def align(self) -> int:
+        """What each unit's shard length is padded to a multiple of: it splits evenly over the replicas."""
+        return self.replication.size
 
-def replica_comm(enabled: bool, topology: Topology, engine: Engine) -> ReplicaComm | None:
-    """The ReplicaComm when shard_optimizer_state splits anything: on, and more than one replica."""
+    def strategy(self, unit: UnitView) -> ReplicaShard:
+        """Cut `unit`'s piece (after its shard was taken: one unit's fp32 shard at a time beside the pieces)."""
+        return ReplicaShard(unit, self)
+
+
+class NoReplicas:
+    """shard_optimizer_state off, or one replica: no shard is split; every unit steps its whole shard."""
+
+    align = 1
+
+    def strategy(self, unit: UnitView) -> WholeShard:
+        return WHOLE_SHARD
+
+
+def replica_comm(enabled: bool, topology: Topology, engine: Engine) -> ReplicaComm | NoReplicas:
+    """[Note: the replica strategy]
+    Each unit holds a strategy for what the optimizer steps of it (`Unit.replicas`): `ReplicaShard`, this
+    rank's piece of the shard, when shard_optimizer_state splits anything (on, and more than one
+    replica); else `WholeShard`, the unit's own shard, main grad and slices. Both answer the same calls
+    -- values, grad, slices, the boundary's reduction, the refresh after a step, full values -- so no
+    caller asks which one it has."""
     replication = topology.replication
     if not enabled or replication.size == 1:
-        return None
+        return NoReplicas()
     return ReplicaComm(engine, replication, replication.rank_of(topology.rank))
 
 
@@ -98,9 +121,74 @@ class UnitView(Protocol):
 
     def compute_shard(self) -> torch.Tensor: ...
 
+    def refresh_compute(self) -> None: ...
+
+    def refresh_compute_copy(self) -> None: ...
+
+    def average_main_grad(self) -> None: ...
+
+
+U = TypeVar("U", bound=UnitView)
+
+
+class WholeShard:
+    """No replica piece ([Note: the replica strategy]): the optimizer steps the unit's whole shard, the
+    boundary AllReduces its main grad over the replication group, a step refreshes its compute copy.
+    Stateless: one instance serves every unit."""
+
+    splits = False
+    gathers_over_replicas = False
+
+    def main_of(self, unit: UnitView) -> torch.Tensor:
+        return unit.main_shard
+
+    def grad_of(self, unit: UnitView) -> torch.Tensor | None:
+        return unit.main_grad
+
+    def slices_of(self, unit: UnitView) -> tuple[ParamSlice, ...]:
+        return unit.slices
+
+    def grad_holder(self, unit: U) -> U:
+        """What holds the main grad the optimizer steps (user_params.py reads and writes `.main_grad`)."""
+        return unit
+
+    def clear_grad(self, *, set_to_none: bool) -> None:
+        """Nothing of its own: the unit's main grad is cleared with the unit (ShardedState.clear_grads)."""
+
+    def own_tensors(self) -> list[torch.Tensor]:
+        """Tensors it keeps beside the unit's (the wrap summary's memory count): none."""
+        return []
+
+    def finish_accumulation(self, unit: UnitView) -> None:
+        unit.average_main_grad()  # the replication AllReduce
+
+    def fold(self, unit: UnitView, block: torch.Tensor, *, scale: float) -> None:
+        raise AssertionError(f"unit {getattr(unit, 'name', '?')} has no replica piece")
+
+    def take_grad(self, reduced: torch.Tensor) -> None:
+        raise AssertionError("a replica piece's gradient for a unit without a replica piece")
+
+    def refresh(self, unit: UnitView) -> None:
+        unit.refresh_compute_copy()
+
+    def main_shard_values(self, unit: UnitView) -> torch.Tensor:
+        return unit.main_shard
+
+    def load_full(self, unit: UnitView, values: dict[str, torch.Tensor]) -> None:
+        """Set the main shard from full parameter values, then its compute copy."""
+        for sl in unit.slices:
+            if sl.length and sl.spec.fqn in values:
+                unit.main_shard[sl.local].copy_(values[sl.spec.fqn].reshape(-1)[sl.param])
+        unit.refresh_compute()
+
+
+WHOLE_SHARD = WholeShard()
+
 
 class ReplicaShard:
     """This rank's piece of one unit's shard: fp32 main values, main grad ([Note: replica-sharded main])."""
+
+    splits = True
 
     def __init__(self, unit: UnitView, comm: ReplicaComm) -> None:
         layout = unit.layout
@@ -123,6 +211,30 @@ class ReplicaShard:
     def gathers_over_replicas(self) -> bool:
         """Whether the unit's full fp32 values need the other replicas' pieces (no fp32 shard is kept)."""
         return not self.fp32_shard
+
+    # ---- what the optimizer steps ([Note: the replica strategy]) ----------------------------------
+
+    def main_of(self, unit: UnitView) -> torch.Tensor:
+        return self.main
+
+    def grad_of(self, unit: UnitView) -> torch.Tensor | None:
+        return self.main_grad
+
+    def slices_of(self, unit: UnitView) -> tuple[ParamSlice, ...]:
+        return self.slices
+
+    def grad_holder(self, unit: UnitView) -> ReplicaShard:
+        return self
+
+    def own_tensors(self) -> list[torch.Tensor]:
+        """Tensors it keeps beside the unit's (the wrap summary's memory count): the fp32 piece."""
+        return [self.main]
+
+    def clear_grad(self, *, set_to_none: bool) -> None:
+        if set_to_none:
+            self.main_grad = None
+        elif self.main_grad is not None:
+            self.main_grad.zero_()
 
     # ---- gradients ---------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ main copy and main grad.
     persistent main (every rank):  | p0 | p1 | p2 |              Piece.local = [offset, offset+numel)
 
 With shard_optimizer_state a unit's pieces are those of this rank's part of the shard, and `main` /
-`grad` read that part's fp32 values and grad (`Unit.replica`, [Note: replica-sharded main] in
+`grad` read that part's fp32 values and grad (`Unit.replicas`, [Note: replica-sharded main] in
 replica_shard.py).
 """
 
@@ -25,7 +25,6 @@ from torch import nn
 from shardpar.collectives import Engine, Group
 from shardpar.runtime import unit_values, write_guard
 from shardpar.runtime.persistent import PersistentParams
-from shardpar.runtime.replica_shard import ReplicaShard
 from shardpar.runtime.unit import Unit
 from shardpar.sharding.layout import ParamSlice, owned_layout
 from shardpar.topology import Topology
@@ -83,9 +82,9 @@ class ShardedState:
         # pieces, a load, a user write): owner compute re-reads the values it keeps whole then.
         self.values_version = 0
         # shard_optimizer_state: the units' grads are disjoint over the rdp group, not only the sharding group.
-        self.replica_sharded = any(u.replica is not None for u in units)
+        self.replica_sharded = any(u.replicas.splits for u in units)
         # ... and under bf16/fp16 no rank has a unit's full fp32 values without the other replicas.
-        self.gathers_over_replicas = any(u.replica is not None and u.replica.gathers_over_replicas for u in units)
+        self.gathers_over_replicas = any(u.replicas.gathers_over_replicas for u in units)
 
     def add_user(self, piece: Piece, user: torch.Tensor) -> None:
         """The user parameter standing for `piece`'s parameter outside forward (user_params.py)."""
@@ -116,7 +115,7 @@ class ShardedState:
             unit = self._units[piece.unit]
             if piece.frozen and unit.frozen is not None:
                 return unit.frozen.shard[piece.local]  # in the parameter's own dtype
-            return (unit.main_shard if unit.replica is None else unit.replica.main)[piece.local]
+            return unit.replicas.main_of(unit)[piece.local]
         return self._persistent.main_view(piece.pos)
 
     def grad(self, piece: Piece) -> torch.Tensor | None:
@@ -192,13 +191,13 @@ class ShardedState:
 
     def clear_grads(self, *, set_to_none: bool) -> None:
         """Drop (set_to_none) or zero every main grad."""
-        replicas = [u.replica for u in self._units if u.replica is not None]
-        holders: list[Unit | PersistentParams | ReplicaShard] = [*self._holders(), *replicas]
-        for holder in holders:
+        for holder in self._holders():
             if set_to_none:
                 holder.main_grad = None
             elif holder.main_grad is not None:
                 holder.main_grad.zero_()
+        for unit in self._units:
+            unit.replicas.clear_grad(set_to_none=set_to_none)  # a replica piece's own main grad
 
     def grad_used(self) -> list[bool]:
         """Whether each piece's parameter got a gradient in this window, in `pieces` order ([Note:
@@ -282,7 +281,7 @@ def _range(slices: tuple[ParamSlice, ...], pos: int) -> tuple[int, int]:
 
 def _stepped_grad(unit: Unit) -> torch.Tensor | None:
     """The fp32 main grad the optimizer steps the unit with: this rank's piece's with shard_optimizer_state."""
-    return unit.main_grad if unit.replica is None else unit.replica.main_grad
+    return unit.replicas.grad_of(unit)
 
 
 def _num_frozen(holder: Unit | PersistentParams) -> int:
@@ -292,7 +291,7 @@ def _num_frozen(holder: Unit | PersistentParams) -> int:
 def _unit_pieces(unit: Unit) -> list[Piece]:
     """The unit's trainable pieces, then its frozen ones, whose values start after the trainable ones in
     gather_unit's flat values ([Note: frozen shards])."""
-    kinds = [(unit.params, unit.slices if unit.replica is None else unit.replica.slices, 0, False)]
+    kinds = [(unit.params, unit.replicas.slices_of(unit), 0, False)]
     if unit.frozen is not None:
         kinds.append((unit.frozen.params, unit.frozen.slices, unit.layout.padded_numel, True))
     pieces: list[Piece] = []

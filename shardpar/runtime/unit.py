@@ -61,7 +61,7 @@ from shardpar.collectives import ReduceOp, Span, Work
 from shardpar.precision import DtypePolicy
 from shardpar.runtime.frozen import FrozenShard
 from shardpar.runtime.holds import Hold, HoldKind, UnitState
-from shardpar.runtime.replica_shard import ReplicaShard
+from shardpar.runtime.replica_shard import WHOLE_SHARD, ReplicaShard, WholeShard
 from shardpar.runtime.unit_comm import UnitComm
 from shardpar.sharding.layout import FlatLayout, ParamSlice
 
@@ -128,10 +128,11 @@ class Unit:
         self.reduced = False  # in the running backward
         # Which parameters got a gradient in this accumulation window (see [Note: unused params]).
         self.grad_used = [False] * len(params)
-        # shard_optimizer_state: this rank's piece of the shard's fp32 state, set by the model once the
-        # shard is taken ([Note: replica-sharded main], replica_shard.py); None: the whole shard is stepped.
-        # Under bf16/fp16 main_shard is then empty: the piece's fp32 values are the only ones kept.
-        self.replica: ReplicaShard | None = None
+        # What the optimizer steps of the unit ([Note: the replica strategy], replica_shard.py): the whole
+        # shard, or with shard_optimizer_state this rank's piece of it, set by the model once the shard is
+        # taken ([Note: replica-sharded main]). Under bf16/fp16 main_shard is then empty: the piece's fp32
+        # values are the only ones kept.
+        self.replicas: WholeShard | ReplicaShard = WHOLE_SHARD
 
     # ---- initial sharding --------------------------------------------------------------------
 
@@ -161,6 +162,11 @@ class Unit:
         return torch.empty(0, dtype=self.compute_dtype, device=self.device)
 
     @property
+    def replica(self) -> ReplicaShard | None:
+        """This rank's replica piece, or None when the whole shard is stepped (for inspection)."""
+        return self.replicas if isinstance(self.replicas, ReplicaShard) else None
+
+    @property
     def gathered_numel(self) -> int:
         """Elements the unit's gathered buffers hold: its trainable layout's and its frozen shard's."""
         return self.layout.padded_numel + (0 if self.frozen is None else self.frozen.padded_numel)
@@ -182,9 +188,11 @@ class Unit:
                 self.frozen.counted_live = False  # keep_gathered's memory went back now
                 if self.comm.on_live_change is not None:
                     self.comm.on_live_change(self, -self.frozen.padded_numel)
-        if self.replica is not None:
-            self.replica.refresh(self)  # AllGather of the stepped pieces over the replication group
-            return
+        # with replica pieces, the AllGather of the stepped pieces over the replication group
+        self.replicas.refresh(self)
+
+    def refresh_compute_copy(self) -> None:
+        """The compute copy from the whole fp32 main shard (WholeShard.refresh)."""
         if self.compute_dtype == torch.float32:
             return
         if self._compute_shard is None:
@@ -417,10 +425,12 @@ class Unit:
         self.main_grad = replicated if replicated.dtype == torch.float32 else replicated.float()
 
     def finish_accumulation(self) -> None:
-        """At the accumulation boundary: average the main grad over the replication group."""
-        if self.replica is not None:
-            self.replica.finish_accumulation(self)  # a ReduceScatter to this rank's piece instead
-            return
+        """At the accumulation boundary: average the main grad over the replication group (with replica
+        pieces, a ReduceScatter to this rank's piece instead)."""
+        self.replicas.finish_accumulation(self)
+
+    def average_main_grad(self) -> None:
+        """The main grad's AllReduce AVG over the replication group (WholeShard.finish_accumulation)."""
         if self.main_grad is None or self.comm.replication.size == 1:
             return
         if self.policy.reduce == torch.float32:

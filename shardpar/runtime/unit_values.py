@@ -17,7 +17,7 @@ def gather_main(unit: Unit) -> torch.Tensor | None:
         return None
     full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
     if unit.layout.numel:
-        shard = unit.main_shard if unit.replica is None else unit.replica.main_shard_values(unit)
+        shard = unit.replicas.main_shard_values(unit)
         unit.comm.engine.all_gather(full, shard, unit.comm.sharding)
     if unit.frozen is None or unit.frozen.layout.numel == 0:
         return full
@@ -43,13 +43,7 @@ def load_full_params(unit: Unit, values: dict[str, torch.Tensor]) -> None:
     if unit.frozen is not None:
         unit.frozen.load_full(values)
     with torch.no_grad():
-        if unit.replica is not None:
-            unit.replica.load_full(unit, values)
-        else:
-            for sl in unit.slices:
-                if sl.length and sl.spec.fqn in values:
-                    unit.main_shard[sl.local].copy_(values[sl.spec.fqn].reshape(-1)[sl.param])
-            unit.refresh_compute()
+        unit.replicas.load_full(unit, values)
         if unit.state is not UnitState.SHARDED and unit._full is not None:
             unit.wait_for_unshard()
             for p, spec in zip(unit.params, unit.layout.specs, strict=True):

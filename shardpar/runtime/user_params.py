@@ -270,7 +270,7 @@ class UserParams:
         if unit < 0:
             return self._persistent
         holder = self._units[unit]
-        return holder.replica if holder.replica is not None else holder
+        return holder.replicas.grad_holder(holder)
 
 
 def _stale(published: torch.Tensor | None, grad: torch.Tensor) -> bool:

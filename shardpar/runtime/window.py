@@ -10,6 +10,7 @@ another (a resumed run starts a window of its own).
     end_backward()                       (the end-of-backward callback)
     no_sync()                            (DDP's no_sync: [Note: no_sync] below)
     reset()                              (zero_grad: the window's gradients are dropped)
+    use_scaler(scaler)                   (the optimizer's loss scaler: `loss_scale` reads it)
     check_step() / check_save(...)       (refuse a step or a save inside a window)
 
 [Note: no_sync]
@@ -22,12 +23,32 @@ exactly as under DDP.
 
 One owner: the model's hooks, smp.step, the optimizer and the checkpoints use it through these
 methods; nothing else writes its fields.
+
+[Note: one owner of the loss scale]
+The fp16 loss scale is the DistributedOptimizer's loss scaler's (optim/loss_scaling.py): it changes it
+(an overflow halves it, clean steps grow it, a resume loads it). The window holds that scaler, not a
+copy of its scale, so `model.backward` and the step read the same number without anything keeping two
+in step. Before an optimizer is attached the scale is a fixed 1.0 (`FixedScale`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
+
+
+class ScaleSource(Protocol):
+    """What the window reads the loss scale from: a loss scaler (optim/loss_scaling.py) or `FixedScale`."""
+
+    loss_scale: float
+
+
+class FixedScale:
+    """The scale of a model without an optimizer attached (or set through `model.loss_scale`)."""
+
+    def __init__(self, loss_scale: float = 1.0) -> None:
+        self.loss_scale = loss_scale
 
 
 class AccumulationWindow:
@@ -41,7 +62,7 @@ class AccumulationWindow:
         self._length = self._per_step  # the window's length at its last backward
         self._ends = False  # whether the running backward ends the window
         self._num_backward = 0  # every backward pass so far (informational)
-        self._loss_scale = 1.0  # set from the DistributedOptimizer's fp16 loss scaler
+        self._scaler: ScaleSource = FixedScale()  # the optimizer's ([Note: one owner of the loss scale])
         self._no_sync = 0  # depth of no_sync() contexts ([Note: no_sync])
         self._deferred = False  # a backward of the open window ran inside no_sync()
         self._micro_done = 0  # backward passes of the running smp.step
@@ -65,8 +86,13 @@ class AccumulationWindow:
 
     @property
     def loss_scale(self) -> float:
-        """What `model.backward` multiplies the loss by (the optimizer divides it out again)."""
-        return self._loss_scale
+        """What `model.backward` multiplies the loss by (the optimizer divides it out again): the
+        scaler's current scale ([Note: one owner of the loss scale])."""
+        return self._scaler.loss_scale
+
+    @property
+    def scaler(self) -> ScaleSource:
+        return self._scaler
 
     @property
     def grad_scale(self) -> float:
@@ -90,8 +116,9 @@ class AccumulationWindow:
         """Takes effect from the next backward (the open window is measured with it)."""
         self._per_step = _checked(backward_passes_per_step)
 
-    def set_loss_scale(self, scale: float) -> None:
-        self._loss_scale = scale
+    def use_scaler(self, scaler: ScaleSource) -> None:
+        """From now on the loss scale is `scaler`'s (the optimizer attaching its loss scaler)."""
+        self._scaler = scaler
 
     @contextmanager
     def in_step(self, microbatches: int) -> Iterator[None]:

@@ -14,7 +14,6 @@ the collectives' 3 s timeout; `_run` bounds the whole run (120 s) and fails on a
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 
 from shardpar.collectives import shm
+from tests.harness import process_context
 
 TIMEOUT_S = 3.0  # "hung": the victim is only found by timing out
 KILLED_TIMEOUT_S = 60.0  # "killed": far longer than noticing a death takes, even on a loaded machine
@@ -82,7 +82,7 @@ def _run(engine_name: str, how: str, tmp: Path) -> dict[int, dict[str, Any]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = process_context()  # [Note: forkserver ranks] (tests/harness.py)
     procs = [ctx.Process(target=_case, args=(r, port, engine_name, how, str(tmp))) for r in range(WORLD)]
     for p in procs:
         p.start()

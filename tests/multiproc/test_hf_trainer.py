@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.multiproc import trainer_cases as cases
+from tests.multiproc import trainer_owner_cases
 
 TOL = 1e-5
 # bf16: shardpar computes with bf16 copies of the parameters (every op in bf16, fp32 main weights),
@@ -77,6 +78,24 @@ def test_trainer_matches_single_process_trainer(ranks, tmp_path: Path) -> None:
     assert fp16["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-2), "a skipped step logs a non-finite norm"
     assert _max_abs(fp16["loss"], want["loss"]) <= BF16_LOSS_TOL
     assert 0 < _max_diff(fp16["final"], want["final"]) <= hf_bf16_drift
+
+
+def test_optim_adafactor_trains_through_owner_compute_as_transformers_trainer_does(ranks, tmp_path: Path) -> None:
+    """TrainingArguments(optim="adafactor"): transformers' Adafactor with the arguments transformers gives it,
+    each sharded matrix stepped whole on one owner rank, world 4 / sdp 2 against one process."""
+    want = ranks.run(1, trainer_owner_cases.reference_adafactor_case, str(tmp_path / "ref"), timeout=600)[0]
+    per_rank = ranks.run(4, trainer_owner_cases.adafactor_case, str(tmp_path / "sp"), timeout=600)
+    got = per_rank[0]
+    assert got["optimizer"] == want["optimizer"] == "Adafactor", (got["optimizer"], want["optimizer"])
+    assert got["sdp"] == 2 and got["planned"] > 0
+    # each sharded parameter has one owner per sharding group (two groups: sdp 2 x 2 replicas)
+    owned = sorted(f for r in per_rank for f in r["owned"])
+    assert len(owned) == 2 * got["planned"] and len(set(owned)) == got["planned"], owned
+    assert max(want["grad_norm"]) > 0.5, want["grad_norm"]  # max_grad_norm engages
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
+    assert got["learning_rate"] == want["learning_rate"]
+    assert _max_abs(got["loss"], want["loss"]) <= TOL, (got["loss"], want["loss"])
+    assert _max_diff(got["final"], want["final"]) <= TOL
 
 
 def test_trainer_resumes_from_its_checkpoint_exactly_at_any_world_size(ranks, tmp_path: Path) -> None:

@@ -8,11 +8,22 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from shardpar.cli import launcher
 from shardpar.cli.launcher import LaunchError, launch_local
+from tests.harness import process_context
+
+
+@pytest.fixture(autouse=True)
+def _ranks_from_the_fork_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch_local's ranks start as forks of the suite's fork server ([Note: forkserver ranks],
+    tests/harness.py) instead of by spawn: these tests are about how a launch stops its ranks, not how
+    they start (targets and results are pickled the same way; test_demo starts them by spawn, as a
+    user's launch does). Saves a fresh interpreter importing torch per rank."""
+    monkeypatch.setattr(launcher, "mp", SimpleNamespace(get_context=lambda _method: process_context()))
 
 
 def _fail_while_a_peer_ignores_sigterm(ready: str) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 from tests import smdistributed_compat as compat
 
 
-def test_an_unedited_v1_script_runs_on_two_ranks_under_torchrun(tmp_path: Path) -> None:
-    run = compat.runner(compat.install(tmp_path), tmp_path)
+def test_an_unedited_v1_script_runs_on_two_ranks_under_torchrun(compat_site: Path, tmp_path: Path) -> None:
+    run = compat.runner(compat_site, tmp_path)  # the session's install (conftest.py)
     options = {"partitions": 1, "ddp": True, "sharded_data_parallel_degree": 2}
     env = compat.clean_env(**{**compat.SAGEMAKER_ENV, "SM_HP_MP_PARAMETERS": json.dumps(options)})
     out = tmp_path / "result"

@@ -1,5 +1,9 @@
 """`init_process_group(backend="smddp")`: an unchanged DDP + FSDP2 script (tests/multiproc/scripts/
-ddp_fsdp2.py) under torchrun gives gloo's results, and its hot collectives really went through shm."""
+ddp_fsdp2.py) under torchrun gives gloo's results, and its hot collectives really went through shm.
+
+gloo's results come from the same script's `run_all` on the suite's gloo pool of that world (one
+thread per rank, as the script sets): the same computation on a plain gloo default group, without a
+second torchrun (an agent and `world` ranks importing torch) to produce them."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardpar.collectives import shm
+from tests.multiproc.scripts import ddp_fsdp2
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_fsdp2.py"
 SHM_OK, SHM_WHY = shm.available()
@@ -33,8 +38,8 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 @pytest.mark.skipif(not SHM_OK, reason=SHM_WHY)
 @pytest.mark.parametrize("world", [2, 4])
-def test_ddp_and_fsdp2_scripts_run_unchanged_on_smddp(tmp_path: Path, world: int) -> None:
-    gloo = _torchrun(world, "gloo", tmp_path / "gloo.json")
+def test_ddp_and_fsdp2_scripts_run_unchanged_on_smddp(ranks, tmp_path: Path, world: int) -> None:
+    gloo = json.loads(json.dumps(ranks.run(world, ddp_fsdp2.run_all, timeout=240)[0]))  # rank 0's, as written
     smddp = _torchrun(world, "smddp", tmp_path / "smddp.json")
     assert smddp["backend"] == "smddp" and gloo["backend"] == "gloo"
     # With 2 ranks a sum has one order, so shm must give gloo's bits; with 4, gloo's ring adds in

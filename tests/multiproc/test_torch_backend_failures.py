@@ -5,7 +5,6 @@ before any collective leaves nothing in /dev/shm. Plain torch.distributed in spa
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import socket
 import time
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 
 from shardpar.collectives import shm
+from tests.harness import process_context
 
 SHM_OK, SHM_WHY = shm.available()
 pytestmark = pytest.mark.skipif(not SHM_OK, reason=SHM_WHY)
@@ -113,7 +113,7 @@ def _run(case: str, tmp: Path) -> list[dict[str, Any] | None]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = process_context()  # [Note: forkserver ranks] (tests/harness.py)
     outs = [tmp / f"{case}.{r}.json" for r in range(2)]
     procs = [ctx.Process(target=_entry, args=(case, r, port, str(outs[r]))) for r in range(2)]
     for p in procs:

@@ -34,7 +34,7 @@ def _args(tmp_path: Any, **changes: Any) -> TrainingArguments:
     [
         ({"fsdp": True}, "fsdp=True", "sharded_data_parallel_degree"),
         ({"torch_compile": True}, "torch_compile=True", "set torch_compile=False"),
-        ({"optim": "adafactor"}, "optim='adafactor'", "adamw_torch, adamw_torch_fused, sgd"),
+        ({"optim": "lion_8bit"}, "optim='lion_8bit'", "sgd, adagrad, rmsprop, adafactor"),
         ({"bf16_full_eval": True}, "bf16_full_eval=True", "drop the flag"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size=True", "set the batch size"),
     ],
@@ -48,11 +48,11 @@ def test_unsupported_training_arguments_are_named_with_their_fix(
 
 
 def test_every_problem_is_listed_at_once_and_model_init_is_refused(tmp_path: Any) -> None:
-    args = _args(tmp_path, torch_compile=True, optim="adafactor")
+    args = _args(tmp_path, torch_compile=True, optim="galore_adamw")
     with pytest.raises(UnsupportedArguments) as info:
         Trainer(args=args, model_init=lambda: None)
     text = str(info.value)
-    assert "torch_compile=True" in text and "optim='adafactor'" in text and "model_init=" in text, text
+    assert "torch_compile=True" in text and "optim='galore_adamw'" in text and "model_init=" in text, text
 
 
 def test_a_launcher_world_that_transformers_does_not_see_asks_for_use_cpu(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing as mp
 import os
 import pwd
 import signal
@@ -32,6 +31,7 @@ import pytest
 import torch
 
 from shardpar.collectives import shm
+from tests.harness import process_context
 
 pytestmark = pytest.mark.skipif(not shm.available()[0], reason=f"shm transport unavailable: {shm.available()[1]}")
 
@@ -61,7 +61,7 @@ class Ranks:
     """`size` spawned processes; `run(fn, *args)` calls `fn(index, size, *args)` on each of them."""
 
     def __init__(self, size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = process_context()  # [Note: forkserver ranks] (tests/harness.py)
         self.size = size
         self.conns: list[Connection] = []
         self.procs: list[Any] = []

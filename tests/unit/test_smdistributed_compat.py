@@ -21,8 +21,8 @@ from tests import smdistributed_compat as compat
 
 
 @pytest.fixture(scope="module")
-def site_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return compat.install(tmp_path_factory.mktemp("compat"))
+def site_dir(compat_site: Path) -> Path:
+    return compat_site  # the session's install (conftest.py), shared with the 2-rank run
 
 
 def run_python(site: Path, code: str, *, env: dict[str, str] | None = None, path_first: Path | None = None) -> str:

@@ -85,14 +85,23 @@ def _precision_and_compile_problems(args: TrainingArguments) -> list[str]:
     return problems
 
 
+# Optimizers that look at whole tensors, stepped whole on one owner rank each ([Note: owner compute] in
+# optim/owner_compute.py) with the class and arguments transformers builds: "adafactor" is transformers'
+# Adafactor. Other names need packages (bitsandbytes, galore_torch, torchao, ...) or hook into the model's
+# backward (lomo, *_layerwise); transformers 5.x has no name for Muon.
+OWNER_STEPPED_OPTIMIZERS = (OptimizerNames.ADAFACTOR,)
+
+
 def _optimizer_problems(args: TrainingArguments) -> list[str]:
-    if args.optim in ELEMENTWISE_OPTIMIZERS:
+    if args.optim in ELEMENTWISE_OPTIMIZERS or args.optim in OWNER_STEPPED_OPTIMIZERS:
         return []
-    allowed = ", ".join(o.value for o in ELEMENTWISE_OPTIMIZERS)
+    allowed = ", ".join(o.value for o in (*ELEMENTWISE_OPTIMIZERS, *OWNER_STEPPED_OPTIMIZERS))
     name = OptimizerNames(args.optim).value
     return [
-        f"optim={name!r}: each rank steps its shard of every parameter, which only element-wise "
-        f"optimizers do exactly (this one looks at whole tensors or keeps its own copies); use one of {allowed}"
+        f"optim={name!r}: shardpar's Trainer runs the optimizers it can step exactly on sharded parameters "
+        f"({allowed}); this one needs a package or a hook into the model's backward that shardpar does not "
+        "drive. Use one of those names, or build the optimizer yourself and pass "
+        "smp.DistributedOptimizer(your_optimizer) to a training loop (docs/user-guide.md, optimizers)"
     ]
 
 

@@ -104,6 +104,14 @@ def run_fallbacks() -> dict[str, object]:
     return {"values": [doubles.tolist(), biggest.tolist(), strided.tolist()], "routes": _routes([dist.group.WORLD])}
 
 
+def run_all() -> dict[str, object]:
+    """Everything the script does once the default process group is up (also run by the test on a
+    gloo pool, for gloo's reference results without a torchrun of its own)."""
+    ddp = run_ddp()
+    ddp["routes"] = _routes([dist.group.WORLD])
+    return {"ddp": ddp, "fsdp2": run_fsdp2(), "fallbacks": run_fallbacks(), "backend": dist.get_backend()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True)
@@ -112,9 +120,7 @@ def main() -> None:
     torch.set_num_threads(1)
     # A stuck collective becomes an error naming the missing rank well inside the test's own timeout.
     dist.init_process_group(args.backend, timeout=timedelta(seconds=90))
-    ddp = run_ddp()
-    ddp["routes"] = _routes([dist.group.WORLD])
-    result = {"ddp": ddp, "fsdp2": run_fsdp2(), "fallbacks": run_fallbacks(), "backend": dist.get_backend()}
+    result = run_all()
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
