@@ -5,24 +5,30 @@
 A small GPT-NeoX on `world` CPU ranks (gloo). Per phase, on every rank:
   plain   `every` optimizer steps, no saving: the step time without checkpoints
   sync    a save every `every` steps; the stall is the save call's time (the whole write and commit)
-  async   the same with async_save=True: the stall is the call (staging copy; and the previous save's
-          commit, if its write was still going); smp.poll_checkpoint() after every step commits the save
-          once every writer is done, so the steps in between pay the writer's competition and the poll
+  block   async_save=True with the staging copy inside the call (async_save.BLOCK_ON_STAGING, the
+          behaviour before background staging): the stall is the call
+  async   async_save=True, staging in the background ([Note: background staging]): the stall is the
+          call plus what the next step's optimizer step waited for the copy ("waited")
+In both async phases smp.poll_checkpoint() after every step commits the save once every writer is done,
+so the steps in between pay the writer's competition and the poll.
 The stall of a save is the slowest rank's (every rank waits for it at the next collective). Targets:
 async stall <= 0.2 x sync stall, the steps between async saves <= 1.05 x plain steps. Staging memory is
-this rank's host buffers (allocated by the first async save, reused by the next ones: the first stall
-includes their first touch); the shard bytes are its file's size.
+this rank's host buffers (allocated by the first async save, reused by the next ones); the shard bytes
+are its file's size.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+MODES = ("sync", "block", "async")
 
 
 def _rank(world: int, sdp: int, saves: int, every: int, hidden: int, layers: int, root: str) -> dict[str, Any]:
@@ -53,24 +59,28 @@ def _rank(world: int, sdp: int, saves: int, every: int, hidden: int, layers: int
 
     for _ in range(2):
         step()  # warm-up: first-touch allocations, the optimizer state
-    # Rounds interleave the three phases, so a load change on a shared machine hits them alike.
-    out: dict[str, Any] = {"plain": [], "sync": {"stall": [], "between": []}, "async": {"stall": [], "between": []}}
+    # Rounds interleave the phases, so a load change on a shared machine hits them alike.
+    out: dict[str, Any] = {"plain": [], **{m: {"stall": [], "between": [], "waited": []} for m in MODES}}
     for i in range(saves):
         out["plain"] += [step() for _ in range(every)]
-        for mode in ("sync", "async"):
+        for mode in MODES[i % 3 :] + MODES[: i % 3]:  # each mode in each place of the round in turn
+            async_save.BLOCK_ON_STAGING = mode == "block"
             smp.barrier()  # every rank enters the save together: the call's time is its own
             t0 = time.perf_counter()
             smp.save_checkpoint(f"{root}/{mode}", f"s{i}", model=model, num_kept_partial_checkpoints=2,
-                                async_save=mode == "async")  # fmt: skip
+                                async_save=mode != "sync")  # fmt: skip
             out[mode]["stall"].append(time.perf_counter() - t0)
+            waited0 = async_save.stage_wait_seconds()
             for _ in range(every):
                 t = step()
-                if mode == "async":
+                if mode != "sync":
                     t0 = time.perf_counter()
                     smp.poll_checkpoint()
                     t += time.perf_counter() - t0
                 out[mode]["between"].append(t)
-        smp.wait_for_checkpoint()  # normally committed by a poll already; else not part of any phase
+            out[mode]["waited"].append(async_save.stage_wait_seconds() - waited0)
+            smp.wait_for_checkpoint()  # normally committed by a poll already; else not part of any phase
+    async_save.BLOCK_ON_STAGING = False
     shard = Path(f"{root}/sync/s{saves - 1}_partial/shard-{smp.rank():05d}.safetensors")
     out["staging_bytes"] = async_save.staging_bytes()
     out["shard_bytes"] = shard.stat().st_size if shard.exists() else 0
@@ -92,6 +102,7 @@ def main() -> None:
     from shardpar.cli.launcher import launch_local
 
     root = a.dir or tempfile.mkdtemp(prefix="bench_async_save_")
+    load = os.getloadavg()
     try:
         res = launch_local(_rank, a.world, a.world, a.sdp, a.saves, a.every, a.hidden, a.layers, root, timeout_s=1800)
     finally:
@@ -101,17 +112,33 @@ def main() -> None:
     # a save's stall: the slowest rank's call; a step's time: the slowest rank's (they meet at collectives)
     plain = mean(max(r["plain"][i] for r in res) for i in range(len(res[0]["plain"])))
     print(f"GPT-NeoX {res[0]['params'] / 1e6:.1f} M parameters, world {a.world}, sdp {a.sdp}, {a.saves} saves")
+    print(f"load average before {load[0]:.1f}, after {os.getloadavg()[0]:.1f}")
     print(f"plain step                          {plain * 1e3:8.1f} ms")
-    stall = {}
-    for mode in ("sync", "async"):
-        each = [max(r[mode]["stall"][i] for r in res) for i in range(a.saves)]
+    stall, median, cycle = {}, {}, {}
+    for mode in MODES:
+        # a save's stall: the slowest rank's call plus what its steps then waited for the staging copy
+        each = [max(r[mode]["stall"][i] + r[mode]["waited"][i] for r in res) for i in range(a.saves)]
+        waited = mean(max(r[mode]["waited"][i] for r in res) for i in range(a.saves))
         stall[mode] = mean(each)
+        median[mode] = statistics.median(each)  # a loaded machine's outliers move the mean
         between = mean(max(r[mode]["between"][i] for r in res) for i in range(a.saves * a.every))
         print(
-            f"{mode:5} stall per save {stall[mode] * 1e3:8.1f} ms   steps between saves {between * 1e3:8.1f} ms "
-            f"({between / plain:.3f} x plain); each save {', '.join(f'{t * 1e3:.0f}' for t in each)} ms"
+            f"{mode:5} stall per save {stall[mode] * 1e3:8.1f} ms (waited {waited * 1e3:6.1f})   steps between "
+            f"saves {between * 1e3:8.1f} ms ({between / plain:.3f} x plain); each save "
+            f"{', '.join(f'{t * 1e3:.0f}' for t in each)} ms"
         )
-    print(f"async / sync stall                  {stall['async'] / stall['sync']:.3f} (target <= 0.2)")
+        # what checkpointing costs in all: the stall and the slower steps, against `every` plain steps
+        cycle[mode] = stall[mode] + a.every * between
+    plain_cycle = a.every * plain
+    print(
+        f"a save and {a.every} steps, over {a.every} plain steps: "
+        + ", ".join(f"{m} {cycle[m] / plain_cycle:.3f}" for m in MODES)
+    )
+    for mode, what in (("block", "staging in the call"), ("async", "target <= 0.2")):
+        print(
+            f"{mode} / sync stall                  {stall[mode] / stall['sync']:.3f} of the means, "
+            f"{median[mode] / median['sync']:.3f} of the medians ({what})"
+        )
     for r, out in enumerate(res):
         staging, shard = out["staging_bytes"] / 2**20, out["shard_bytes"] / 2**20
         print(f"rank {r}: staging {staging:7.2f} MiB   its shard file {shard:7.2f} MiB")

@@ -19,14 +19,31 @@ torch.distributed store would allow a thread-safe agreement too, but `newest` mu
 rank after all agreed; the main-thread points reuse the synchronous save's agreement code unchanged.)
 
 Staging: the fp32 shards, optimizer state and buffers this rank writes are copied into host buffers
-(pinned when the source is on CUDA) that are kept and reused by the next save of the same layout, so
-the optimizer may update the originals as soon as the call returns. The writer reads only the
-staging buffers, and the next save reuses them only after the previous write finished.
+(pinned when the source is on CUDA) that are kept and reused by the next save of the same layout. The
+writer reads only the staging buffers, and the next save reuses them only after the previous write
+finished.
+
+[Note: background staging]
+The call itself copies nothing big, as torch DCP's AsyncStager with `block_on_staging=False`: it takes
+what is cheap or would change under the next forward -- the scalars of the optimizer state, the RNG
+states, the index's model-side entries, clones of the buffers (a BatchNorm's running statistics move
+in forward) -- and hands views of the main shards and the optimizer's per-element state to the writer
+thread, which copies them into the staging buffers first (torch's copies release the GIL; a CUDA
+source copies on a side stream, after an event recorded on the training stream at the call) and then
+writes. The next forward and backward read those tensors and write only gradients; whatever would
+write them waits for the copy at runtime/write_guard.py ([Note: writes wait for staging]): the
+optimizer step, loads, in-place ops on the parameters. The wait is bounded (STAGE_TIMEOUT_S) and
+raises naming the save if the copy never completes. On 2 busy cores the copy competes with the
+step for the CPU; it costs the same bytes as before, only no longer inside the call.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +52,30 @@ from typing import Any
 import torch
 
 from shardpar.checkpoint import atomic
+from shardpar.checkpoint import index as ix
 from shardpar.checkpoint import partial as _partial
 from shardpar.checkpoint.atomic import Coordinator
+from shardpar.runtime import write_guard
 
 # How long the commit waits for this rank's writer before it abandons the checkpoint (a hung filesystem):
 # every wait has a bound. Generous: a slow disk writing gigabytes is not an error.
 WRITE_TIMEOUT_S = 1800.0
+
+# How long a write to the main values (an optimizer step, a load) waits for this rank's staging copy
+# (a memory copy of this rank's file: seconds for gigabytes) before it raises.
+STAGE_TIMEOUT_S = 600.0
+
+# True: the call returns only after the staging copy, as before background staging (torch DCP's
+# `block_on_staging=True`); benchmarks/bench_async_save.py measures both in one run.
+BLOCK_ON_STAGING = False
+
+_BUFFERS = ix.buffer_key("")  # the keys of rank 0's buffers in its file
+
+# Test hook: called on the writer thread before the staging copy (a test holds it to prove that the call
+# returns before the copy and that a step waits for it).
+before_stage: Callable[[str], None] | None = None
+# Test hook: called on the main thread when a write is about to wait for the staging copy.
+on_stage_wait: Callable[[str], None] | None = None
 
 # Test hook: called on the writer thread before it writes (a test holds it on an Event to prove that
 # training goes on meanwhile, or raises to simulate a failing disk).
@@ -52,29 +87,73 @@ class Staging:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()  # the writer thread stages while the main thread may ask nbytes
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        with self._lock:
+            return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def stage(self, tensors: dict[str, torch.Tensor], ready: Any = None) -> dict[str, torch.Tensor]:
+        """Copy `tensors` into the kept buffers (in their order); a key no longer staged frees its buffer.
+        `ready`: a CUDA event recorded on the training stream after the last write to the sources; the
+        copies of CUDA sources run on a side stream after it, and this returns once they are done."""
         staged: dict[str, torch.Tensor] = {}
-        on_cuda = False
-        for key, t in tensors.items():
-            src = t.detach()
-            buf = self._buffers.get(key)
-            if buf is None or buf.dtype != src.dtype or buf.shape != src.shape:
-                pin = src.is_cuda  # pinned: the device-to-host copy runs as one DMA, and may overlap
-                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
-                self._buffers[key] = buf
-            buf.copy_(src, non_blocking=src.is_cuda)
-            on_cuda = on_cuda or src.is_cuda
-            staged[key] = buf
-        if on_cuda:
-            torch.cuda.synchronize()  # the copies are complete before the caller returns to training
-        for key in [k for k in self._buffers if k not in staged]:
-            del self._buffers[key]  # a layout that changed: do not keep memory nobody writes
+        device = next((t.device for t in tensors.values() if t.is_cuda), None)
+        # this thread's current device is cuda:0 whatever the rank's is: name the sources' device
+        side = torch.cuda.Stream(device=device) if device is not None else None
+        if side is not None and ready is not None:
+            side.wait_event(ready)
+        with self._lock:
+            for key, src in tensors.items():
+                buf = self._buffers.get(key)
+                if buf is None or buf.dtype != src.dtype or buf.shape != src.shape:
+                    pin = src.is_cuda  # pinned: the device-to-host copy runs as one DMA
+                    buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+                    self._buffers[key] = buf
+                staged[key] = buf
+        # One call for every copy: it holds the GIL once. A copy per tensor handed the GIL back and forth
+        # with the training thread (torch releases it around each op) hundreds of times per save, which
+        # on a loaded machine slowed the steps the copy overlaps far more than the copy itself costs.
+        # no_grad: the sources are leaves that require grad, the buffers must not join any graph.
+        with torch.no_grad(), torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if staged:  # a rank that writes nothing stages nothing
+                torch._foreach_copy_(list(staged.values()), list(tensors.values()), non_blocking=side is not None)
+        if side is not None:
+            side.synchronize()  # the copies are complete before the writer reads them and writes may resume
+        with self._lock:
+            for key in [k for k in self._buffers if k not in staged]:
+                del self._buffers[key]  # a layout that changed: do not keep memory nobody writes
         return staged
+
+
+class _Writer:
+    """One daemon thread per process that runs the saves' staging and writing, one at a time. Kept from
+    the first async save to smp.shutdown: starting a thread per save cost the call a few ms on a loaded
+    machine (Thread.start waits until the new thread runs), part of the stall this module is for."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="shardpar-ckpt-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()  # catches its own errors: they belong to its save
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def close(self, timeout_s: float) -> None:
+        self._jobs.put(None)
+        self.thread.join(timeout_s)
+
+
+def _writer() -> _Writer:
+    global _the_writer
+    if _the_writer is None or not _the_writer.thread.is_alive():
+        _the_writer = _Writer()
+    return _the_writer
 
 
 @dataclass
@@ -85,10 +164,14 @@ class _Pending:
     report: dict[str, Any]
     thread: threading.Thread | None = None
     error: Exception | None = None
+    staged: threading.Event = field(default_factory=threading.Event)  # the staging copy ended (or failed)
     done: threading.Event = field(default_factory=threading.Event)
+    waits: int = 0  # writes that found the copy still running and waited for it
 
 
 _pending: _Pending | None = None
+_the_writer: _Writer | None = None
+_waited_s = 0.0  # stage_wait_seconds()
 _staging = Staging()
 
 
@@ -102,7 +185,8 @@ def pending_tag() -> str | None:
 
 
 def start(coord: Coordinator, job: _partial.SaveJob, held: list[atomic.TmpDir]) -> Path:
-    """Stage this rank's tensors, freeze the index's model-side entries, start the writer; the final path.
+    """Take the cheap part of this rank's state, freeze the index's model-side entries, start the writer,
+    which stages the tensors and then writes ([Note: background staging]); the final path.
 
     Local (no collective). The caller has waited for any previous async save (`finish`).
     """
@@ -110,24 +194,38 @@ def start(coord: Coordinator, job: _partial.SaveJob, held: list[atomic.TmpDir]) 
     if _pending is not None:
         raise AssertionError("an async save is still pending: finish() it first")
     model, optimizer = job.model, job.optimizer
-    staged: dict[str, torch.Tensor] = {}
+    sources: dict[str, torch.Tensor] = {}
     report: dict[str, Any] = {}
 
     # No agreement here (it would be one more collective in the stall): a rank whose staging fails keeps
     # the error, starts no writer, and the commit raises it on every rank like a failed write.
     pending = _Pending(job, coord, held, report)
+    ready = None
     try:
-        tensors, rep = _partial.collect_rank_file(model, optimizer)
-        staged.update(_staging.stage(tensors))
+        tensors, rep = _partial.collect_rank_file(model, optimizer)  # views; scalars and RNG taken now
+        for key, t in tensors.items():  # file order kept
+            # buffers may change in the next forward (running statistics) and pass no write gate: clone now
+            sources[key] = t.detach().clone() if key.startswith(_BUFFERS) else t
         report.update(rep)
         if coord.is_root:
             job.freeze()  # lr, loss scaler, backward count as of this call, not as of the commit
+        if any(t.is_cuda for t in sources.values()):
+            ready = torch.cuda.Event()
+            ready.record()  # after the last step's writes on the training stream: the side stream waits for it
     except Exception as e:
         pending.error = e
     rank = model.topology.coords.rank
 
     def write() -> None:
+        staged: dict[str, torch.Tensor] | None = None
         try:
+            try:
+                if before_stage is not None:
+                    before_stage(job.tag)
+                staged = _staging.stage(sources, ready)
+            finally:
+                sources.clear()  # the views of the live tensors go: nothing here reads them any more
+                pending.staged.set()  # a failed copy releases the writers too; the commit reports it
             if before_write is not None:
                 before_write(job.tag)
             _partial.write_collected(job.tmp, job.checkpoint_id, rank, staged, report)
@@ -138,11 +236,75 @@ def start(coord: Coordinator, job: _partial.SaveJob, held: list[atomic.TmpDir]) 
 
     _pending = pending
     if pending.error is not None:
+        pending.staged.set()
         pending.done.set()
         return job.final
-    pending.thread = threading.Thread(target=write, name=f"shardpar-ckpt-writer-{job.tag}", daemon=True)
-    pending.thread.start()
+    writer = _writer()
+    pending.thread = writer.thread
+    writer.submit(write)
+    write_guard.set_waiter(functools.partial(_wait_staged, pending))
+    if BLOCK_ON_STAGING:
+        _wait_bounded(pending, "save_checkpoint(async_save=True)", STAGE_TIMEOUT_S, time.monotonic())
+        write_guard.set_waiter(None)
     return job.final
+
+
+def staged() -> bool:
+    """Whether the pending async save (if any) finished copying this rank's tensors into staging."""
+    return _pending is None or _pending.staged.is_set()
+
+
+def stage_wait_seconds() -> float:
+    """Seconds this process's writes spent waiting for staging copies, over all async saves (a benchmark
+    adds them to the call's stall: the part of the copy that training did not hide)."""
+    return _waited_s
+
+
+def stage_waits() -> int:
+    """How many writes waited for the pending async save's staging copy (0 when none is pending)."""
+    return _pending.waits if _pending is not None else 0
+
+
+def _wait_staged(pending: _Pending, what: str) -> None:
+    """write_guard's waiter ([Note: writes wait for staging]): return once `pending`'s staging copy ended,
+    so `what` may write the tensors it read; raise if it does not end within STAGE_TIMEOUT_S. Bound to the
+    save, not to `_pending`: a commit that timed out leaves the copy running, and writes still wait."""
+    if pending.staged.is_set():
+        write_guard.set_waiter(None)  # later writes pay nothing until the next async save
+        return
+    pending.waits += 1
+    if on_stage_wait is not None:
+        on_stage_wait(what)
+    limit, start = STAGE_TIMEOUT_S, time.monotonic()
+    try:
+        _wait_bounded(pending, what, limit, start)
+    finally:
+        global _waited_s
+        _waited_s += time.monotonic() - start
+    write_guard.set_waiter(None)
+
+
+def _wait_bounded(pending: _Pending, what: str, limit: float, start: float) -> None:
+    while not pending.staged.wait(min(1.0, limit)):
+        thread = pending.thread
+        if thread is not None and not thread.is_alive() and not pending.staged.is_set():
+            # The writer marks the copy ended in a `finally`, so only a thread killed from outside gets here.
+            # Nothing reads the tensors any more: later writes go on, and the save fails at its commit.
+            error = RuntimeError(
+                f"the checkpoint writer of tag {pending.job.tag!r} died before it finished copying this rank's "
+                "tensors into staging; this save is lost (`newest` stays at the previous checkpoint)"
+            )
+            pending.error = error
+            pending.staged.set()
+            pending.done.set()
+            raise RuntimeError(f"{what}: {error}; save again, smp.wait_for_checkpoint() reports it too") from None
+        if time.monotonic() - start >= limit:
+            raise TimeoutError(
+                f"{what} waited {limit:.0f} s (shardpar.checkpoint.async_save.STAGE_TIMEOUT_S) for the async "
+                f"checkpoint of tag {pending.job.tag!r} to copy this rank's tensors into staging; the copy is "
+                "still running, so the write would change what it reads. Check the host's memory (swapping?) "
+                "or raise STAGE_TIMEOUT_S; smp.wait_for_checkpoint() waits for the save and commits it"
+            )
 
 
 def poll() -> bool:
@@ -169,6 +331,8 @@ def finish(timeout_s: float | None = None) -> Path | None:
     job, coord = pending.job, pending.coord
     try:
         pending.done.wait(limit)
+        if pending.staged.is_set():
+            write_guard.set_waiter(None)  # else later writes still wait for the copy
 
         def outcome() -> dict[str, Any]:
             if not pending.done.is_set():
@@ -195,12 +359,17 @@ def finish(timeout_s: float | None = None) -> Path | None:
 def abandon_local(timeout_s: float = 60.0) -> str | None:
     """Not collective (smp.shutdown, an exit path where other ranks may be gone): wait up to `timeout_s`
     for this rank's writer and drop the pending save uncommitted; its tag, or None. The `.tmp-*` directory
-    it leaves is swept by the next save or resume; `newest` names the previous checkpoint."""
-    global _pending
+    it leaves is swept by the next save or resume; `newest` names the previous checkpoint. Stops the writer
+    thread (the next async save starts one)."""
+    global _pending, _the_writer
     pending, _pending = _pending, None
-    if pending is None:
-        return None
-    pending.done.wait(timeout_s)
-    for t in pending.held:
-        t.release()
-    return pending.job.tag
+    if pending is not None:
+        pending.done.wait(timeout_s)
+        if pending.staged.is_set():
+            write_guard.set_waiter(None)
+        for t in pending.held:
+            t.release()
+    if _the_writer is not None:  # idle now unless its write hangs: then the daemon thread is left behind
+        _the_writer.close(1.0)
+        _the_writer = None
+    return pending.job.tag if pending is not None else None

@@ -56,6 +56,7 @@ def model_state_dict(model: DistributedModel, *, ignore_frozen_params: bool, cpu
     """FQN -> ShardedTensor for the parameters (tied ones under each name, one object), buffers as
     `model.state_dict()` gives them (cloned). No collective."""
     state = model.sharded_state
+    state.will_write("get_model_state_dict()")  # views that dcp.load writes into: no async staging copy reads them
     out: dict[str, Any] = {}
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad} if ignore_frozen_params else set()
     made: dict[int, ShardedTensor] = {}
@@ -99,6 +100,7 @@ def split_sharded(model: DistributedModel, state_dict: Mapping[str, Any], strict
             )
     rest: dict[str, Any] = {}
     written = False
+    state.will_write("set_model_state_dict()")
     with torch.no_grad():
         dcp_persistent.complete(state_dict.values(), state.device)  # rows other ranks read (a collective)
         for key, value in state_dict.items():

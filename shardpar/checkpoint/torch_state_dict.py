@@ -35,6 +35,7 @@ from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_sta
 from shardpar.checkpoint import dcp_owned, dcp_persistent, dcp_state_dict
 from shardpar.optim.chained import OptimizerList
 from shardpar.optim.optimizer import DistributedOptimizer
+from shardpar.runtime import write_guard
 from shardpar.runtime.model import DistributedModel
 from shardpar.runtime.shard_layout import ShardLayout
 from shardpar.runtime.sharded_gather import full_value
@@ -157,6 +158,8 @@ def optimizer_state_dict(
     Not `full`: the sharded form (dcp_state_dict.py), no collective. An empty state is filled first, as
     torch does (a step with lr 0 on zero gradients), so a fresh optimizer has tensors to load into."""
     inner, dist = _inner(optimizer)
+    # the init step writes the state, and the sharded form hands out views dcp.load writes into
+    write_guard.before_write("get_optimizer_state_dict()")
     dcp_owned.init_state(inner, dist)
     stepped = _stepped(model, dist)
     state: dict[str, Any] = {}
@@ -235,6 +238,7 @@ def load_optimizer_state_dict(
             f"optimizer state dict has no state for {len(missing)} trainable parameters, e.g. {missing[0]!r}; "
             "pass StateDictOptions(strict=False) to load it anyway"
         )
+    write_guard.before_write("set_optimizer_state_dict()")  # before complete(): it may write live state
     # persistent state: the rows other ranks read in dcp.load (a collective, after every check above)
     dcp_persistent.complete(saved_state.values(), model.sharded_state.device)
     first = 0

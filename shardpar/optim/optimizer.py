@@ -236,6 +236,10 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         # divide these gradients, scaled by the old one, by the new one.
         clip_norm = 0.0 if self.clipped_by_user else self.clip_norm
         self.last_grad_norm = self._unscale_and_clip(sq, scale, clip_norm)
+        # From here on the main values and the optimizer state change (owner compute re-reads its whole
+        # values in _attach_grads): an async checkpoint still copying them finishes first ([Note: writes
+        # wait for staging] in runtime/write_guard.py). Not earlier: the norm's AllReduce overlaps the copy.
+        self.view.will_write("DistributedOptimizer.step()")
         self._attach_grads(dropped)
         result = self.optimizer.step()
         for owners in self.owners:
@@ -315,6 +319,7 @@ class DistributedOptimizer(OptimizerV1Mixin, torch.optim.Optimizer):
         state.pop("_smp_is_partial", None)  # SMP v1's marker on local_state_dict()
         scaler = state.pop("loss_scaler", None)
         plan = self.plan_loss_scaler_load(scaler) if scaler is not None else None
+        self.view.will_write("DistributedOptimizer.load_state_dict()")
         self.optimizer.load_state_dict(state)
         if plan is not None:
             self.load_loss_scaler_state(scaler, plan)

@@ -158,6 +158,11 @@ class OptimizerState:
         in model.py) or a user grad dropped (`dropped`, from user_params.sync)."""
         return self._model.unused_params | dropped
 
+    def will_write(self, what: str) -> None:
+        """Before `what` writes main values or optimizer state: wait for an async checkpoint still copying
+        them ([Note: writes wait for staging] in runtime/write_guard.py)."""
+        self.sharded.will_write(what)
+
     def refresh_compute(self) -> None:
         """After the step wrote main values: the compute copies (a collective with shard_optimizer_state)."""
         self.sharded.refresh_compute()

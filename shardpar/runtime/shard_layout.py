@@ -45,6 +45,9 @@ class ShardLayout:
     # Called when an op writes a tensor of this layout in place: the user parameters' layouts tell the
     # sharded state that its main values changed (a plain optimizer step), so the compute copies refresh.
     on_write: Callable[[], None] | None = None
+    # Called before such an op runs: the user parameters' layouts wait there for an async checkpoint
+    # still copying the main shards ([Note: writes wait for staging] in write_guard.py).
+    before_write: Callable[[], None] | None = None
     # Called when a whole-tensor norm of a tensor of this layout is taken: the gradients' layouts tell
     # the model that a norm was read, which with a write after it is a user's own clip (user_params.py).
     on_norm: Callable[[], None] | None = None

@@ -234,11 +234,21 @@ def _elementwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
             f"{func} writes a plain tensor from {layout.describe()}: that needs the full values; "
             "gather them with model.state_dict() (every rank calls it) first"
         )
+    if _is_inplace(func):
+        _will_write([args[0]])
     out = func(*(_unwrap(a, layout, func) for a in args), **{k: _unwrap(v, layout, func) for k, v in kwargs.items()})
     if _is_inplace(func):
         _written([args[0]])
         return args[0]
     return _wrap(out, layout)
+
+
+def _will_write(targets: Sequence[Any]) -> None:
+    """Before an in-place op: let the owners of the layouts wait for readers of the old values (once each)."""
+    calls = {id(t._layout.before_write): t._layout.before_write for t in targets if isinstance(t, ShardedTensor)}
+    for call in calls.values():
+        if call is not None:
+            call()
 
 
 def _written(targets: Sequence[Any]) -> None:
@@ -271,6 +281,8 @@ def _foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             unwrapped.append([_unwrap(v, lay, func) if lay is not None else v for v, lay in pairs])
         else:
             unwrapped.append(a)
+    if _is_inplace(func):
+        _will_write(args[0])
     out = func(*unwrapped, **kwargs)
     if out is None:  # in place
         _written(args[0])
@@ -292,6 +304,8 @@ def _whole_or_refuse(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             return type(v)(whole(x) for x in v)
         return v
 
+    if _is_inplace(func):
+        _will_write([args[0]])
     out = func(*(whole(a) for a in args), **{k: whole(v) for k, v in kwargs.items()})
     if _is_inplace(func):
         _written([args[0]])

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shardpar.collectives import Engine, Group
-from shardpar.runtime import unit_values
+from shardpar.runtime import unit_values, write_guard
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.unit import Unit
 from shardpar.sharding.layout import ParamSlice, owned_layout
@@ -171,6 +171,11 @@ class ShardedState:
             unit.refresh_compute()
         self._persistent.refresh_compute()
 
+    def will_write(self, what: str = "an in-place write to a parameter") -> None:
+        """Before main values are written (a user's in-place op, a load): wait for an async checkpoint
+        still copying them ([Note: writes wait for staging] in write_guard.py)."""
+        write_guard.before_write(what)
+
     def mark_written(self) -> None:
         """Main values were written outside an optimizer step (a plain torch optimizer on the user
         parameters, `p.data = ...`): the compute copies refresh before the next forward."""
@@ -236,6 +241,7 @@ class ShardedState:
 
     def load_full_values(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set the parameters `values` names (by piece name, full size; every rank passes the same)."""
+        self.will_write("model.load_state_dict()")
         self.values_version += 1
         for unit, pieces in zip(self._units, self._unit_pieces, strict=True):
             unit_values.load_full_params(unit, {p.fqn: values[p.fqn] for p in pieces if p.fqn in values})
@@ -262,6 +268,7 @@ class ShardedState:
                 "sharded_data_parallel_degree or tensor_parallel_degree use smp.save_checkpoint / "
                 "smp.resume_from_checkpoint, which reshard"
             )
+        self.will_write("model.load_state_dict() of a local state dict")
         with torch.no_grad():
             for p in self.pieces:
                 self.main(p).copy_(values[p.fqn])

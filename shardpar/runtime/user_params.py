@@ -122,10 +122,13 @@ class UserParams:
                 tp=split,
                 tp_rank=tp_rank,
                 on_write=state.mark_written,
+                before_write=state.will_write,
             )
-            # Writing a grad does not change the parameters; a norm and then a write is a user's clip.
+            # Writing a grad does not change the parameters (nor wait for a checkpoint's staging); a norm
+            # and then a write is a user's clip.
             watch = self.clip_watch
-            self._grad_layouts.append(dataclasses.replace(layout, on_write=watch.written, on_norm=watch.norm_read))
+            grads = dataclasses.replace(layout, on_write=watch.written, on_norm=watch.norm_read, before_write=None)
+            self._grad_layouts.append(grads)
             user = sharded_parameter(state.main(piece), layout, requires_grad=piece.param.requires_grad)
             self.user.append(user)
             state.add_user(piece, user)

@@ -103,7 +103,7 @@ def async_failure_and_keep_case(root: str) -> dict[str, Any]:
     stage = async_save._staging.stage
     if smp.rank() == 1:  # staging fails on one rank: the call returns there too, the commit raises everywhere
 
-        def refuse(tensors: Any) -> Any:
+        def refuse(tensors: Any, ready: Any = None) -> Any:
             raise RuntimeError("simulated: no pinned memory left")
 
         async_save._staging.stage = refuse  # type: ignore[method-assign]
