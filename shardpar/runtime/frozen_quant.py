@@ -14,8 +14,9 @@ against 2 B/value for a bf16 base and 4 for fp32. A shard's blocks start at its 
 gathered [sdp, bytes] tensor dequantizes row by row, with no block straddling two ranks. The scales
 stay fp32 (QLoRA's "double quantization" of the scales to 8 bits is not done: 1/16 B a value more).
 Every rank -- the shard's owner too -- computes with the dequantized values, so all ranks hold the same
-weights. The exact shard in the parameters' dtype is kept beside the codes: checkpoints, state dicts
-and the user-visible parameters read it, so saving a quantized run writes the base bit for bit.
+weights. The exact shard in the parameters' dtype is dropped once quantized: a rank stores the codes
+and scales only ([Note: quantized base keeps no exact shard] in frozen_exact.py, which says what state
+dicts, checkpoints and fingerprints see instead).
 
 Error (absmax scaling): int8 is within absmax/254 of its block per value; NF4's levels are spaced for
 normally distributed weights, its largest gap (-1 to -0.696) bounds the error at 0.152 x absmax.

@@ -253,6 +253,9 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             quantize=self.shardpar_config.sdp_quantize_cross_node_weights,
         )
         units: list[Unit] = []
+        # the model's frozen shards warn once of a dequantized read (frozen_exact.py), on rank 0: the
+        # other ranks count as told already
+        warned: set[str] = set() if self.topology.rank == 0 else {"int8", "nf4"}
         for up in plans:
             # Units without sharded parameters are kept (they communicate nothing): their hooks still
             # hold the parameters they borrow (smp.register_parameter) and mark the start of backward.
@@ -273,6 +276,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
                     compute_dtype=self.policy.compute,
                     device=self.device,
                     mode=self.shardpar_config.sdp_frozen_base_mode,
+                    warned=warned,
                 )
             unit = Unit(
                 len(units),

@@ -122,6 +122,7 @@ class UserParams:
                 tp=split,
                 tp_rank=tp_rank,
                 on_write=state.mark_written,
+                on_use=None if (frozen := state.quantized_frozen(piece)) is None else frozen.read_values,
             )
             # Writing a grad does not change the parameters; a norm and then a write is a user's clip.
             watch = self.clip_watch
