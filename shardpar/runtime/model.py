@@ -204,13 +204,19 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
 
         Except under sdp_frozen_base_mode 'int8' / 'nf4': the frozen shard is quantized, and QLoRA
         (bitsandbytes) quantizes the linear weights only; biases and layer norms stay in full precision,
-        so there the small frozen tensors persist as before."""
+        so there the small frozen 1-D tensors persist as before. A small frozen matrix (GPT-NeoX 168m's
+        768 x 768 `dense` weights are under the default threshold) is a linear weight QLoRA quantizes:
+        it goes into the quantized shard (kept whole it would cost 10 bytes a value, not 1.06)."""
         threshold = self.shardpar_config.sdp_param_persistence_threshold
         quantized = self.shardpar_config.sdp_frozen_base_mode in QUANTIZED
         persistent: list[tuple[str, nn.Parameter]] = []
         unit_of: dict[int, int] = {}
         for i, up in enumerate(plans):
-            keep = [(n, p) for n, p in up.params if p.numel() < threshold and (p.requires_grad or quantized)]
+            keep = [
+                (n, p)
+                for n, p in up.params
+                if p.numel() < threshold and (p.requires_grad or (quantized and p.dim() < 2))
+            ]
             kept = {id(p) for _, p in keep}
             persistent.extend(keep)
             unit_of.update((id(p), i) for _, p in keep)

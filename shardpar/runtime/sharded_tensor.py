@@ -150,10 +150,11 @@ class ShardedTensor(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        for a in args:  # a list argument: the _foreach ops
-            for t in a if isinstance(a, list | tuple) else (a,):
-                if isinstance(t, ShardedTensor) and t._layout.on_use is not None:
-                    t._layout.on_use()
+        if func not in _ALIAS:  # a detach or alias reads nothing (nn.Parameter() detaches at wrap)
+            for a in args:  # a list argument: the _foreach ops
+                for t in a if isinstance(a, list | tuple) else (a,):
+                    if isinstance(t, ShardedTensor) and t._layout.on_use is not None:
+                        t._layout.on_use()
         return _dispatch(func, args, kwargs or {})
 
 

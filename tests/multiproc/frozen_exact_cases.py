@@ -56,6 +56,8 @@ def fingerprint_case(root: str, mode: str) -> dict[str, Any]:
     opt.zero_grad()
     out["trained"] = _probe(model)
     smp.save_checkpoint(root, tag="q", model=model, optimizer=opt)
+    # neither training nor an adapter-only save gave the exact shard's storage back
+    out["held"] = sum(u.frozen.shard.untyped_storage().nbytes() for u in model.units if u.frozen is not None)
     # the dequantized state dict loaded back: equal to what the shard dequantizes to, so the same codes
     # and the same checksums (of the loaded exact base), not checksums of the dequantized values
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})

@@ -57,6 +57,7 @@ def bytes_case(mode: str, micro: int = 2, cap: int | None = None, threshold: int
         smp.init(knobs)
         model = smp.DistributedModel(neox_lora(), backward_passes_per_step=micro)
         opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        at_wrap = sum(u.frozen.shard.untyped_storage().nbytes() for u in model.units if u.frozen is not None)
         stats = smp.comm_stats()
         g = torch.Generator().manual_seed(smp.rank())
         losses = []
@@ -96,6 +97,7 @@ def bytes_case(mode: str, micro: int = 2, cap: int | None = None, threshold: int
         ]
         # the state dict's base: the exact one, or under int8 / nf4 the dequantized one (warned once)
         fresh = {k: v for k, v in neox_lora().state_dict().items() if "lora_" not in k}
+        lines_before_read = len(capture.lines)
         saved = model.state_dict()
         model.state_dict()  # a second read: no second warning
         base_diff = max((saved[k].float() - v.float()).abs().max().item() for k, v in fresh.items())
@@ -120,6 +122,8 @@ def bytes_case(mode: str, micro: int = 2, cap: int | None = None, threshold: int
         "live_peak": live_peak,
         "base_diff": base_diff,
         "base_rel": base_rel,
+        "at_wrap": at_wrap,
+        "lines_before_read": lines_before_read,
         "stored": stored,
         "storage": storage,
         "stored_after_read": stored_after_read,

@@ -61,6 +61,7 @@ def test_frozen_gathers_move_quantized_bytes_and_keep_gathered_gathers_once_a_st
         for name, u in run["per_unit"].items():
             assert run["stored"][name] == _expected_quantized(u["numel"], block) // SDP, (mode, name, run["stored"])
         assert all(shard == 0 and packed > 0 for shard, packed in run["storage"]), run["storage"]
+        assert run["at_wrap"] == 0 and run["lines_before_read"] == 1  # dropped at wrap; training read none
         assert run["stored_after_read"] == run["stored"]  # a state dict read gives the values back only for itself
     assert sum(runs["int8"]["stored"].values()) <= 0.54 * sum(base["stored"].values())
     # state_dict(): the exact base, but under int8 / nf4 (no exact values left) the dequantized one: within
@@ -144,6 +145,6 @@ def test_a_quantized_base_is_fingerprinted_as_the_base_loaded(ranks, tmp_path) -
     sums = r0["sums"]
     assert sums["g"] and sums["q"] == sums["g"] and sums["q2"] == sums["g"], sums
     for r in (r0, r1):
-        assert r["resume_q"] == "" and r["resume_g"] == "", r
+        assert r["resume_q"] == "" and r["resume_g"] == "" and r["held"] == 0, r
         assert r["resumed"] == r["trained"] and r["reloaded"] == r["trained"], r
         assert "frozen base the model holds is not the one" in r["other_base"], r
