@@ -37,6 +37,7 @@ from shardpar.checkpoint import checksum
 from shardpar.checkpoint import index as ix
 from shardpar.checkpoint.pieces import Slot
 from shardpar.checkpoint.safetensors_io import CheckpointError, dtype_name
+from shardpar.runtime import frozen_exact
 
 # One rank's hashes: fqn -> [[start, length, tp_rank, crc, itemsize], ...] of the pieces it hashed.
 RankHashes = dict[str, list[list[int]]]
@@ -47,30 +48,21 @@ def entries(slots: Iterable[Slot]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for s in slots:
         if s.frozen:
-            entry: dict[str, Any] = {"shape": list(s.cut.full_shape), "dtype": dtype_name(s.value.dtype)}
+            entry: dict[str, Any] = {"shape": list(s.cut.full_shape), "dtype": dtype_name(s.view.dtype)}
             tp = ix.cut_entry(s.cut)
             out[s.fqn] = entry if tp is None else {**entry, "tp": tp}
     return out
 
 
-_CHUNK = 1 << 22  # elements converted to float32 at a time: 16 MiB of temporary, not a shard's worth
-
-
-def _crc(values: torch.Tensor) -> int:
-    flat, value = values.detach().reshape(-1), checksum.start()
-    for lo in range(0, flat.numel(), _CHUNK):
-        part = flat[lo : lo + _CHUNK]
-        part = part.float() if part.is_floating_point() else part
-        value = checksum.update(value, part.contiguous().cpu().view(torch.uint8).numpy().data)
-    return value
-
-
 def rank_hashes(slots: Iterable[tuple[Slot, bool]]) -> RankHashes:
-    """CRC-32 of each frozen piece this rank covers (`(slot, covers)`: exactly one rank covers each element)."""
+    """CRC-32 of each frozen piece this rank covers (`(slot, covers)`: exactly one rank covers each element).
+    A quantized base's piece has no exact values left: its checksum was taken from them at wrap or at
+    the load that wrote them ([Note: quantized base keeps no exact shard], runtime/frozen_exact.py)."""
     out: RankHashes = {}
     for s, covers in slots:
         if s.frozen and covers and s.length:
-            out.setdefault(s.fqn, []).append([s.start, s.length, s.tp_rank, _crc(s.value), _itemsize(s.value)])
+            crc = s.exact_crc if s.exact_crc is not None else frozen_exact.piece_crc(s.view)
+            out.setdefault(s.fqn, []).append([s.start, s.length, s.tp_rank, crc, _itemsize(s.view)])
     return out
 
 

@@ -159,7 +159,7 @@ class SaveJob:
         for slot in every:  # rank 0's: every TP rank has the same FQNs, and the cut is the same
             if slot.frozen:
                 continue
-            entry = {"shape": list(slot.cut.full_shape), "dtype": dtype_name(slot.value.dtype), "pieces": []}
+            entry = {"shape": list(slot.cut.full_shape), "dtype": dtype_name(slot.view.dtype), "pieces": []}
             tp = ix.cut_entry(slot.cut)
             params[slot.fqn] = entry if tp is None else {**entry, "tp": tp}
         buffers = {

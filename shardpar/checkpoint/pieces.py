@@ -9,7 +9,7 @@ sits in the full Hugging Face parameter ([Note: full-parameter coordinates] in p
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ class Slot:
     start: int
     length: int
     shape: tuple[int, ...]  # the piece's shape: (length,) when sharded, the parameter's when persistent
-    value: torch.Tensor  # this rank's fp32 main values (a view)
+    view: torch.Tensor  # this rank's fp32 main values (a view); read and write them through `value`
     sharded: bool
     param_shape: tuple[int, ...]  # the (TP-local) parameter's; its .data is empty while sharded
     cut: Cut  # how TP ranks' parameters make up the full one; cut.full_shape is the Hugging Face shape
@@ -45,6 +45,18 @@ class Slot:
     # does not train (frozen at wrap time): a partial checkpoint records it by a fingerprint, not its
     # values ([Note: adapter-only checkpoints] in fingerprint.py)
     frozen: bool = False
+    # A quantized frozen base (int8 / nf4) keeps no exact values ([Note: quantized base keeps no exact
+    # shard], runtime/frozen_exact.py): `hold` gives `view` its (dequantized) values back for a reader or
+    # a load, and `exact_crc` is the checksum of the exact values it had, for the fingerprint.
+    hold: Callable[[], None] | None = None
+    exact_crc: int | None = None
+
+    @property
+    def value(self) -> torch.Tensor:
+        """`view`, with its values there (a quantized frozen piece's given back until the next refresh)."""
+        if self.hold is not None:
+            self.hold()
+        return self.view
 
     @property
     def tp_split(self) -> bool:
@@ -63,6 +75,7 @@ def slots(model: DistributedModel) -> list[Slot]:
     for piece in state.pieces:
         shape = (piece.length,) if piece.sharded else piece.shape
         cut, rank = placed(piece.fqn, piece.shape)
+        quantized = state.quantized_frozen(piece)
         out.append(
             Slot(
                 piece.fqn,
@@ -77,6 +90,8 @@ def slots(model: DistributedModel) -> list[Slot]:
                 rank,
                 piece.sharded and not piece.frozen and state.replica_sharded,  # a frozen shard: every replica's
                 piece.frozen or not piece.param.requires_grad,
+                None if quantized is None else quantized.hold_values,
+                None if quantized is None else quantized.exact_crcs.get(piece.fqn),
             )
         )
     return out

@@ -3,15 +3,15 @@ fine-tune (issue 33) and the size of its checkpoints. Arithmetic on the model's 
 and the way the runtime holds each kind of tensor:
 
     frozen base, sharded     its units' elements / sdp in bf16 (runtime/frozen.py); with
-                             --frozen-dtype int8 / nf4 (`sdp_frozen_base_mode`) also its codes: int8 1 byte
-                             + one fp32 scale per 64-value block (1.0625), nf4 0.5 byte + the scale
-                             (0.5625) -- the runtime keeps the exact bf16 shard beside the codes it
-                             gathers (state dicts and checkpoints read the exact base), so a quantized
-                             mode cuts the gathered bytes, not the stored ones
+                             --frozen-dtype int8 / nf4 (`sdp_frozen_base_mode`) its codes instead: int8
+                             1 byte + one fp32 scale per 64-value block (1.0625), nf4 0.5 byte + the
+                             scale (0.5625) -- the runtime drops the exact bf16 shard once quantized
+                             (runtime/frozen_exact.py), so a quantized mode cuts stored and gathered bytes
     small frozen tensors     (the base's biases and layer norms) sharded with their unit's frozen
                              shard whatever their size: only trained parameters persist
-                             (DistributedModel._split_persistent). Under int8 / nf4 they are not
+                             (DistributedModel._split_persistent). Under int8 / nf4 the 1-D ones are not
                              quantized (as in QLoRA): whole on every rank, fp32 main, compute copy, grad
+                             (a GPT-NeoX block's 9 x hidden + MLP width); small matrices are quantized
     persistent tensors       (adapters under sdp_param_persistence_threshold) whole on every rank: fp32
                              main copy, a compute-dtype copy under bf16/fp16, an fp32 main grad
     adapters                 LoRA A (r x in) and B (out x r) on every attention and MLP linear of a
@@ -48,8 +48,8 @@ class LoraEstimate:
 
     sdp: int
     adapter_numel: int
-    frozen_sharded: int  # the frozen base's shard in bf16
-    frozen_codes: int  # int8 / nf4: the quantized copy of that shard the runtime gathers
+    frozen_sharded: int  # the frozen base's shard in bf16 (0 under int8 / nf4: dropped once quantized)
+    frozen_codes: int  # int8 / nf4: that shard quantized, what the runtime stores and gathers
     frozen_persistent: int  # int8 / nf4: small frozen tensors, whole: main + compute copy + main grad
     adapter_states: int  # adapters: main + compute copy + grad + optimizer state
     gathered: int  # transient: the units gathered for compute (current + prefetched)
@@ -71,6 +71,14 @@ def mlp_width(shape: ModelShape) -> int:
     if not blocks or h == 0:
         return 4 * h
     return max(1, round((blocks[0] - 4 * h * h - 9 * h) / (2 * h + 1)))
+
+
+def _one_dim(shape: ModelShape, kind: str, persistent: int) -> int:
+    """A unit's small frozen 1-D tensors (biases, layer norms): a GPT-NeoX block's 3h + h + f + h biases
+    and two layer norms (4h); another unit's, a layer norm (the final one: 2h) -- its small matrices
+    (embeddings, a head under the threshold) are quantized."""
+    one_dim = 9 * shape.hidden + mlp_width(shape) if kind == "block" else 2 * shape.hidden
+    return min(persistent, one_dim)
 
 
 def adapter_tensors(shape: ModelShape, rank: int) -> list[int]:
@@ -104,7 +112,10 @@ def estimate_lora(
     # every frozen tensor is sharded, the small ones with their unit (only trained parameters persist),
     # except under a quantized base, whose small frozen tensors persist unquantized
     quantized = frozen_dtype != "bf16"
-    totals = [u + (0 if quantized else p) for u, p in zip(shape.unit_numels, shape.persistent_per_unit, strict=True)]
+    one_dim = [
+        _one_dim(shape, k, p) if quantized else 0 for k, p in zip(shape.kinds, shape.persistent_per_unit, strict=True)
+    ]
+    totals = [u + p - d for u, p, d in zip(shape.unit_numels, shape.persistent_per_unit, one_dim, strict=True)]
     sharded_base = sum(math.ceil(n / sdp) for n in totals)
     blocks = [n for n, k in zip(totals, shape.kinds, strict=True) if k == "block"] or [0]
     fingerprint = FINGERPRINT_BYTES_PER_TENSOR * (12 * shape.num_layers + 4)  # a GPT-NeoX layer's 12 tensors
@@ -112,9 +123,9 @@ def estimate_lora(
     return LoraEstimate(
         sdp=sdp,
         adapter_numel=sum(adapters),
-        frozen_sharded=sharded_base * 2,
+        frozen_sharded=0 if quantized else sharded_base * 2,
         frozen_codes=0 if frozen_dtype == "bf16" else math.ceil(sharded_base * FROZEN_BYTES[frozen_dtype]),
-        frozen_persistent=shape.persistent_numel * (4 + copy + 4) if quantized else 0,
+        frozen_persistent=sum(one_dim) * (4 + copy + 4),
         adapter_states=(whole + split) * per_adapter,
         gathered=(2 * max(blocks) * c if sdp > 1 else 0),
         checkpoint_adapter_only=adapter_ckpt,
@@ -129,8 +140,9 @@ def format_lora(e: LoraEstimate, frozen_dtype: str) -> str:
 
     lines = [
         f"  LoRA: {e.adapter_numel:,} adapter elements; frozen base {frozen_dtype}, sdp {e.sdp}",
-        f"    frozen base shard       {mib(e.frozen_sharded)}   (bf16, / sdp)",
-        f"    its {frozen_dtype} codes          {mib(e.frozen_codes)}   (what it gathers, 64-value blocks)"
+        f"    frozen base shard       {mib(e.frozen_sharded)}   (bf16, / sdp)" if e.frozen_sharded else "",
+        f"    frozen base shard       {mib(e.frozen_codes)}   ({frozen_dtype} codes + fp32 scale a 64-value "
+        "block, / sdp; stored and gathered, no exact copy)"
         if e.frozen_codes
         else "",
         f"    small frozen tensors    {mib(e.frozen_persistent)}   (whole: fp32 main, compute copy, grad)"

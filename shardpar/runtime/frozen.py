@@ -23,9 +23,10 @@ How the frozen shard is gathered is `sdp_frozen_base_mode` (issue 33 item 2):
                      and the next `start_gather` points the parameters at it again, with no
                      collective; `release_kept` (the optimizer step, a load) frees it. At sdp > 1 only
                      (at sdp 1 nothing is gathered), and only where frozen_modes.py found it fits;
-    "int8" / "nf4"   the shard is also kept block-quantized (frozen_quant.py, [Note: quantized frozen
-                     base]); what is AllGathered is the quantized bytes, dequantized into the gathered
-                     compute-dtype buffer at each use.
+    "int8" / "nf4"   the shard is kept block-quantized (frozen_quant.py, [Note: quantized frozen
+                     base]) and its exact values dropped ([Note: quantized base keeps no exact shard],
+                     frozen_exact.py); what is AllGathered is the quantized bytes, dequantized into the
+                     gathered compute-dtype buffer at each use.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 from shardpar.collectives import Work
-from shardpar.runtime import frozen_quant
+from shardpar.runtime import frozen_exact, frozen_quant
 from shardpar.runtime.unit_comm import UnitComm
 from shardpar.sharding.layout import FlatLayout, ParamSlice
 
@@ -54,6 +55,7 @@ class FrozenShard:
         compute_dtype: torch.dtype,
         device: torch.device,
         mode: str = "gather",
+        warned: set[str] | None = None,
     ) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
@@ -69,6 +71,9 @@ class FrozenShard:
         self.device = device
         self.slices: tuple[ParamSlice, ...] = layout.slices(comm.shard_index)
         self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=device)
+        # Each parameter's piece of the shard, made now: a view of a storage resized to 0 (int8 / nf4
+        # drop the values) stays valid, but a new one cannot be made then.
+        self.piece_views = {sl.spec.fqn: self.shard[sl.local] for sl in self.slices}
         self._compute: torch.Tensor | None = None  # only where the compute dtype differs
         self._gathered: torch.Tensor | None = None  # one storage for the unit's life, as the unit's own
         self._full: torch.Tensor | None = None
@@ -76,10 +81,17 @@ class FrozenShard:
         self.mode = mode
         self.quantized = mode in frozen_quant.QUANTIZED
         self._packed: torch.Tensor | None = None  # int8 / nf4: this rank's shard, quantized
-        self._packed_version = -1  # the shard's version counter when it was quantized
         self._packed_rows: torch.Tensor | None = None  # what the running gather brings (or the own shard)
         self._qgathered: torch.Tensor | None = None  # sdp > 1: the gathered quantized bytes' buffer
         self._kept = False  # keep_gathered: `_gathered` holds this step's gathered values
+        # int8 / nf4 ([Note: quantized base keeps no exact shard]): whether `shard` has storage (the exact
+        # values until quantized, or values given back by `hold_values`), its version counter when it
+        # was given back, each piece's CRC-32 of the exact values, and the quantization error per piece
+        self._held = True
+        self._held_version = -1
+        self.exact_crcs: dict[str, int] = {}
+        self._errors: list[tuple[str, float, float]] = []
+        self._warned = set() if warned is None else warned  # shared by a model's shards: one warning
         self.counted_live = False  # in the live count (the unit's _count_live)
 
     @property
@@ -106,11 +118,7 @@ class FrozenShard:
         """After an optimizer step or after the shard was written (a checkpoint or state-dict load)."""
         self.release_kept()  # the step boundary ends a kept gather; a load changes the values
         if self.quantized:
-            # Quantized again only when the shard was written (its version counter moved): a frozen
-            # shard does not change at a step, and quantizing it costs a pass over the shard.
-            if self._packed is None or self.shard._version != self._packed_version:
-                self._packed = frozen_quant.quantize(self.shard, self.mode)
-                self._packed_version = self.shard._version
+            self._settle_quantized()
             return
         if self.compute_dtype == self.dtype:
             return
@@ -118,6 +126,73 @@ class FrozenShard:
             self._compute = self.shard.to(self.compute_dtype)
         else:
             self._compute.copy_(self.shard)
+
+    def _settle_quantized(self) -> None:
+        """int8 / nf4: quantize what the shard holds where it is new (wrap) or was written (a load), then
+        drop its values ([Note: quantized base keeps no exact shard]). A frozen shard does not change at
+        a step, and quantizing costs a pass over it, so a shard read since changes nothing."""
+        if not self._held:
+            return
+        pieces = [sl for sl in self.slices if sl.length]
+        if self._packed is None:  # wrap: the exact base the user loaded
+            self.exact_crcs = {sl.spec.fqn: frozen_exact.piece_crc(self.shard[sl.local]) for sl in pieces}
+            self._quantize()
+        elif self.shard._version != self._held_version:  # written since its values were given back
+            approx = frozen_quant.dequantize(self._packed, self.mode, self.layout.shard_numel, self.dtype)
+            changed = [sl for sl in pieces if not torch.equal(self.shard[sl.local], approx[sl.local])]
+            for sl in changed:
+                self.exact_crcs[sl.spec.fqn] = frozen_exact.piece_crc(self.shard[sl.local])
+            if changed:
+                self._quantize()
+        self.shard.untyped_storage().resize_(0)
+        self._held = False
+
+    def _quantize(self) -> None:
+        self._packed = frozen_quant.quantize(self.shard, self.mode)
+        approx = frozen_quant.dequantize(self._packed, self.mode, self.layout.shard_numel, torch.float32)
+        self._errors = [
+            (sl.spec.fqn, *frozen_quant.relative_errors(self.shard[sl.local], approx[sl.local]))
+            for sl in self.slices
+            if sl.length
+        ]
+
+    def hold_values(self) -> None:
+        """int8 / nf4: give `shard` its storage back, filled with the dequantized values, for a reader or a
+        load, until the next refresh_compute; nothing in the other modes, whose shard is always there."""
+        if self._held:
+            return
+        if self._packed is None:
+            raise AssertionError("a quantized frozen shard dropped its values before it was quantized")
+        self.shard.untyped_storage().resize_(self.shard.numel() * self.shard.element_size())
+        with torch.no_grad():
+            frozen_quant.dequantize_into(self.shard, self._packed.view(1, -1), self.mode, self.layout.shard_numel)
+        self._held = True
+        self._held_version = self.shard._version
+
+    def read_values(self) -> None:
+        """`hold_values` for a reader outside training (a state dict, a full checkpoint, a parameter
+        read): under int8 / nf4 it gets the dequantized base, and is told so once (a model, rank 0)."""
+        if not self._held:
+            frozen_exact.warn_dequantized_read(self.mode, self._warned)
+        self.hold_values()
+
+    def release_read(self) -> None:
+        """int8 / nf4: drop values `read_values` gave back, where nothing wrote them (nothing to quantize)."""
+        if self.quantized and self._held and self._packed is not None and self.shard._version == self._held_version:
+            self.shard.untyped_storage().resize_(0)
+            self._held = False
+
+    @property
+    def holds_values(self) -> bool:
+        """Whether `shard` has its values now (always, but under int8 / nf4 between a read and a refresh)."""
+        return self._held
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes this rank keeps for the shard between uses: its values (not under int8 / nf4, once
+        quantized), a compute-dtype copy, the codes."""
+        held = [self.shard if self._held else None, self._compute, self._packed]
+        return sum(t.untyped_storage().nbytes() for t in held if t is not None)
 
     def compute_shard(self) -> torch.Tensor:
         return self.shard if self._compute is None else self._compute
@@ -221,25 +296,25 @@ class FrozenShard:
 
     def quantization_errors(self) -> list[tuple[str, float, float]]:
         """(name, max, mean relative error) of each frozen tensor's piece in this rank's shard, as
-        compute sees it after dequantization ([Note: quantized frozen base])."""
-        if self._packed is None:
-            return []
-        approx = frozen_quant.dequantize(self._packed, self.mode, self.layout.shard_numel, torch.float32)
-        return [
-            (sl.spec.fqn, *frozen_quant.relative_errors(self.shard[sl.local], approx[sl.local]))
-            for sl in self.slices
-            if sl.length
-        ]
+        compute sees it after dequantization ([Note: quantized frozen base]): measured when the exact
+        values were quantized (at wrap, or at a load), as they are dropped then."""
+        return list(self._errors)
 
     # ---- full values (checkpoints, state dicts) ---------------------------------------------------
 
     def gather_values(self) -> torch.Tensor:
-        """The full flat values, padded, in the parameters' dtype (one AllGather)."""
+        """The full flat values, padded, in the parameters' dtype (one AllGather); under int8 / nf4 the
+        dequantized ones, given back for the gather only (a warning, once)."""
+        held = self._held
+        self.read_values()
         full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         self.comm.engine.all_gather(full, self.shard, self.comm.sharding)
+        if not held:
+            self.release_read()
         return full
 
     def load_full(self, values: dict[str, torch.Tensor]) -> None:
+        self.hold_values()  # int8 / nf4: pieces not in `values` keep their (dequantized) values
         with torch.no_grad():
             for sl in self.slices:
                 if sl.length and sl.spec.fqn in values:

@@ -205,13 +205,19 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
 
         Except under sdp_frozen_base_mode 'int8' / 'nf4': the frozen shard is quantized, and QLoRA
         (bitsandbytes) quantizes the linear weights only; biases and layer norms stay in full precision,
-        so there the small frozen tensors persist as before."""
+        so there the small frozen 1-D tensors persist as before. A small frozen matrix (GPT-NeoX 168m's
+        768 x 768 `dense` weights are under the default threshold) is a linear weight QLoRA quantizes:
+        it goes into the quantized shard (kept whole it would cost 10 bytes a value, not 1.06)."""
         threshold = self.shardpar_config.sdp_param_persistence_threshold
         quantized = self.shardpar_config.sdp_frozen_base_mode in QUANTIZED
         persistent: list[tuple[str, nn.Parameter]] = []
         unit_of: dict[int, int] = {}
         for i, up in enumerate(plans):
-            keep = [(n, p) for n, p in up.params if p.numel() < threshold and (p.requires_grad or quantized)]
+            keep = [
+                (n, p)
+                for n, p in up.params
+                if p.numel() < threshold and (p.requires_grad or (quantized and p.dim() < 2))
+            ]
             kept = {id(p) for _, p in keep}
             persistent.extend(keep)
             unit_of.update((id(p), i) for _, p in keep)
@@ -254,6 +260,9 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             quantize=self.shardpar_config.sdp_quantize_cross_node_weights,
         )
         units: list[Unit] = []
+        # the model's frozen shards warn once of a dequantized read (frozen_exact.py), on rank 0: the
+        # other ranks count as told already
+        warned: set[str] = set() if self.topology.rank == 0 else {"int8", "nf4"}
         for up in plans:
             # Units without sharded parameters are kept (they communicate nothing): their hooks still
             # hold the parameters they borrow (smp.register_parameter) and mark the start of backward.
@@ -274,6 +283,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
                     compute_dtype=self.policy.compute,
                     device=self.device,
                     mode=self.shardpar_config.sdp_frozen_base_mode,
+                    warned=warned,
                 )
             unit = Unit(
                 len(units),

@@ -51,6 +51,10 @@ class ShardLayout:
     # Called when a whole-tensor norm of a tensor of this layout is taken: the gradients' layouts tell
     # the model that a norm was read, which with a write after it is a user's own clip (user_params.py).
     on_norm: Callable[[], None] | None = None
+    # Called before an op reads or writes a tensor of this layout: a quantized frozen base's user
+    # parameters give their shard its (dequantized) values back first ([Note: quantized base keeps no
+    # exact shard], frozen_exact.py); its storage is empty until then.
+    on_use: Callable[[], None] | None = None
 
     @property
     def split(self) -> bool:

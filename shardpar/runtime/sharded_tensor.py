@@ -109,6 +109,7 @@ class ShardedTensor(torch.Tensor):
     @property
     def local_piece(self) -> torch.Tensor:
         """This rank's elements: flat when sharded, the module's (TP-local) shape when persistent."""
+        _use(self)
         return self._local
 
     @property
@@ -118,6 +119,7 @@ class ShardedTensor(torch.Tensor):
     def full_tensor(self) -> torch.Tensor:
         """DTensor's `full_tensor()`: a plain tensor of the global shape with every rank's values (a
         collective over the sharding and TP groups: every rank calls it, as with DTensor)."""
+        _use(self)
         return full_value(self._local, self._layout)
 
     # torch.distributed.checkpoint's protocol (DTensor's): this rank's chunks, as views (dcp_chunks.py)
@@ -125,15 +127,18 @@ class ShardedTensor(torch.Tensor):
         return dcp_chunks.chunk_list(self._layout)
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        _use(self)
         return dcp_chunks.write_items(fqn, self._local, self._layout)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        _use(self)
         return dcp_chunks.tensor_shard(self._local, self._layout, index)
 
     # SMP v1's DeepSpeed names (AWS's templates read them when sdp > 1): deepspeed_views.py.
     @property
     def ds_tensor(self) -> torch.Tensor:
         """This rank's partition of the parameter (a 1-D view with `.ds_numel`)."""
+        _use(self)
         return deepspeed_views.ds_tensor(self._local, self._layout)
 
     @property
@@ -145,7 +150,17 @@ class ShardedTensor(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        if func not in _ALIAS:  # a detach or alias reads nothing (nn.Parameter() detaches at wrap)
+            for a in args:  # a list argument: the _foreach ops
+                for t in a if isinstance(a, list | tuple) else (a,):
+                    if isinstance(t, ShardedTensor) and t._layout.on_use is not None:
+                        t._layout.on_use()
         return _dispatch(func, args, kwargs or {})
+
+
+def _use(t: ShardedTensor) -> None:
+    if t._layout.on_use is not None:
+        t._layout.on_use()
 
 
 # ---- dispatch ------------------------------------------------------------------------------------

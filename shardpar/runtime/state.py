@@ -24,6 +24,7 @@ from torch import nn
 
 from shardpar.collectives import Engine, Group
 from shardpar.runtime import unit_values, write_guard
+from shardpar.runtime.frozen import FrozenShard
 from shardpar.runtime.persistent import PersistentParams
 from shardpar.runtime.unit import Unit
 from shardpar.sharding.layout import ParamSlice, owned_layout
@@ -114,9 +115,20 @@ class ShardedState:
         if piece.sharded:
             unit = self._units[piece.unit]
             if piece.frozen and unit.frozen is not None:
-                return unit.frozen.shard[piece.local]  # in the parameter's own dtype
+                return unit.frozen.piece_views[piece.fqn]  # in the parameter's own dtype
             return unit.replicas.main_of(unit)[piece.local]
         return self._persistent.main_view(piece.pos)
+
+    def quantized_frozen(self, piece: Piece) -> FrozenShard | None:
+        """The frozen shard holding `piece` where it is quantized (int8 / nf4): its values are there only
+        while given back ([Note: quantized base keeps no exact shard], frozen_exact.py); else None."""
+        if not (piece.frozen and piece.sharded):
+            return None
+        frozen = self._units[piece.unit].frozen
+        return frozen if frozen is not None and frozen.quantized else None
+
+    def _quantized_shards(self) -> list[FrozenShard]:
+        return [u.frozen for u in self._units if u.frozen is not None and u.frozen.quantized]
 
     def grad(self, piece: Piece) -> torch.Tensor | None:
         """The piece's fp32 main grad (a view shaped like `main(piece)`); None when there is none."""
@@ -248,8 +260,15 @@ class ShardedState:
         self._persistent.load({p.fqn: values[p.fqn] for p in self._persistent_pieces if p.fqn in values})
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's piece of every parameter (1-D when sharded), cloned."""
-        return {p.fqn: self.main(p).detach().clone() for p in self.pieces}
+        """This rank's piece of every parameter (1-D when sharded), cloned; a quantized frozen base's
+        dequantized (frozen_exact.py)."""
+        given = [f for f in self._quantized_shards() if not f.holds_values]
+        for frozen in given:
+            frozen.read_values()
+        out = {p.fqn: self.main(p).detach().clone() for p in self.pieces}
+        for frozen in given:
+            frozen.release_read()
+        return out
 
     def load_local_state_dict(self, values: Mapping[str, torch.Tensor]) -> None:
         """Take back `local_state_dict()` of this rank under the same topology; every check runs before
@@ -269,6 +288,8 @@ class ShardedState:
                 "smp.resume_from_checkpoint, which reshard"
             )
         self.will_write("model.load_state_dict() of a local state dict")
+        for frozen in self._quantized_shards():
+            frozen.hold_values()  # the copy writes them; refresh_compute quantizes the new values
         with torch.no_grad():
             for p in self.pieces:
                 self.main(p).copy_(values[p.fqn])

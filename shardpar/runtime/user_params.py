@@ -123,6 +123,7 @@ class UserParams:
                 tp_rank=tp_rank,
                 on_write=state.mark_written,
                 before_write=state.will_write,
+                on_use=None if (frozen := state.quantized_frozen(piece)) is None else frozen.read_values,
             )
             # Writing a grad does not change the parameters (nor wait for a checkpoint's staging); a norm
             # and then a write is a user's clip.

@@ -57,6 +57,7 @@ def bytes_case(mode: str, micro: int = 2, cap: int | None = None, threshold: int
         smp.init(knobs)
         model = smp.DistributedModel(neox_lora(), backward_passes_per_step=micro)
         opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        at_wrap = sum(u.frozen.shard.untyped_storage().nbytes() for u in model.units if u.frozen is not None)
         stats = smp.comm_stats()
         g = torch.Generator().manual_seed(smp.rank())
         losses = []
@@ -88,10 +89,24 @@ def bytes_case(mode: str, micro: int = 2, cap: int | None = None, threshold: int
             if u.frozen is not None and u.frozen._gathered is not None
         )
         live_after_step, live_peak = model.live.live, model.live.peak
-        # the exact base stays the truth for state dicts and checkpoints, whatever is gathered
+        # what a rank stores of each frozen shard between uses: int8 / nf4 keep the codes only
+        frozen = [u.frozen for u in model.units if u.frozen is not None]
+        stored = {u.name: u.frozen.stored_bytes for u in model.units if u.frozen is not None}
+        storage = [
+            (f.shard.untyped_storage().nbytes(), f._packed.numel() if f._packed is not None else 0) for f in frozen
+        ]
+        # the state dict's base: the exact one, or under int8 / nf4 the dequantized one (warned once)
         fresh = {k: v for k, v in neox_lora().state_dict().items() if "lora_" not in k}
+        lines_before_read = len(capture.lines)
         saved = model.state_dict()
+        model.state_dict()  # a second read: no second warning
         base_diff = max((saved[k].float() - v.float()).abs().max().item() for k, v in fresh.items())
+        base_rel = max(
+            ((saved[k].float() - v.float()).abs().max() / v.float().abs().max()).item()
+            for k, v in fresh.items()
+            if v.float().abs().max() > 0
+        )
+        stored_after_read = {u.name: u.frozen.stored_bytes for u in model.units if u.frozen is not None}
         modes = sorted({u.frozen.mode for u in model.units if u.frozen is not None})
     finally:
         smp.shutdown()
@@ -106,6 +121,12 @@ def bytes_case(mode: str, micro: int = 2, cap: int | None = None, threshold: int
         "live_after_step": live_after_step,
         "live_peak": live_peak,
         "base_diff": base_diff,
+        "base_rel": base_rel,
+        "at_wrap": at_wrap,
+        "lines_before_read": lines_before_read,
+        "stored": stored,
+        "storage": storage,
+        "stored_after_read": stored_after_read,
         "log": capture.lines,
         "summary": capture.summary,
     }

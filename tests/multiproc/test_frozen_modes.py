@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.multiproc import frozen_exact_cases as exact_cases
 from tests.multiproc import frozen_modes_cases as cases
 
 SDP = 2
@@ -51,10 +52,29 @@ def test_frozen_gathers_move_quantized_bytes_and_keep_gathered_gathers_once_a_st
     frozen_numel = sum(u["numel"] for u in units.values())  # no padding: every unit splits evenly
     assert f"({frozen_numel:,} elements) sharded over sdp 2" in base["summary"], base["summary"]
     assert base["log"] == [], base["log"]
-    assert all(r["base_diff"] == 0.0 for r in runs.values())  # state_dict(): the exact base in every mode
-    for mode in ("int8", "nf4"):
-        (line,) = runs[mode]["log"]
-        assert f"as {mode} in blocks of 64" in line and "max |err|/max|w| up to" in line, line
+    # what a rank stores of a frozen shard between uses: gather its bf16 values (padded numel / sdp x 2 B);
+    # int8 / nf4 the codes and scales only, the exact shard dropped (its storage resized to 0)
+    for name, u in units.items():
+        assert base["stored"][name] == u["bf16"] // SDP, (name, base["stored"])
+    for mode, block in (("int8", 64), ("nf4", 32)):
+        run = runs[mode]
+        for name, u in run["per_unit"].items():
+            assert run["stored"][name] == _expected_quantized(u["numel"], block) // SDP, (mode, name, run["stored"])
+        assert all(shard == 0 and packed > 0 for shard, packed in run["storage"]), run["storage"]
+        assert run["at_wrap"] == 0 and run["lines_before_read"] == 1  # dropped at wrap; training read none
+        assert run["stored_after_read"] == run["stored"]  # a state dict read gives the values back only for itself
+    assert sum(runs["int8"]["stored"].values()) <= 0.54 * sum(base["stored"].values())
+    # state_dict(): the exact base, but under int8 / nf4 (no exact values left) the dequantized one: within
+    # the quantization error of each tensor's largest value (int8 1/254 of a block's absmax, nf4 0.152;
+    # + bf16's rounding of the dequantized value, half of 2^-7), with one WARNING on rank 0 for two reads
+    assert all(runs[m]["base_diff"] == 0.0 for m in ("gather", "keep_gathered"))
+    for mode, bound in (("int8", 1 / 254 + 1 / 256), ("nf4", 0.152 + 1 / 256)):
+        assert 0.0 < runs[mode]["base_rel"] <= bound, (mode, runs[mode]["base_rel"])
+        summary, warning = runs[mode]["log"]
+        assert f"as {mode} in blocks of 64" in summary and "max |err|/max|w| up to" in summary, summary
+        assert f"sdp_frozen_base_mode='{mode}' stores the frozen base quantized" in warning, warning
+        assert "partial=True" in warning and "sdp_frozen_base_mode='gather'" in warning, warning
+        assert per_rank[mode][1]["log"] == []
         assert max(abs(a - b) / b for a, b in zip(runs[mode]["losses"], base["losses"], strict=True)) < 0.01
 
     keep = runs["keep_gathered"]
@@ -114,3 +134,17 @@ def test_a_loaded_base_is_what_quantized_and_kept_modes_gather(ranks, tmp_path) 
             assert r["other_base_checkpoint"] != r["trained"], r  # the other base does differ
             assert r["checkpoint"] == r["trained"] and r["state_dict"] == r["trained"], r
             assert "frozen base" in r["partial_refused"], r
+
+
+def test_a_quantized_base_is_fingerprinted_as_the_base_loaded(ranks, tmp_path) -> None:
+    """int8 / nf4 drop the exact shard after quantizing it, yet the adapter-only checkpoint's fingerprint
+    is of the exact base loaded: the same checksums as a "gather" run's of that base, kept after the run's
+    own dequantized state dict is loaded back; a resume over the same base verifies (bit for bit the
+    trained loss) whichever mode saved, one over another base is refused."""
+    r0, r1 = ranks.run(2, exact_cases.fingerprint_case, str(tmp_path), "int8")  # nf4 keeps the same checksums
+    sums = r0["sums"]
+    assert sums["g"] and sums["q"] == sums["g"] and sums["q2"] == sums["g"], sums
+    for r in (r0, r1):
+        assert r["resume_q"] == "" and r["resume_g"] == "" and r["held"] == 0, r
+        assert r["resumed"] == r["trained"] and r["reloaded"] == r["trained"], r
+        assert "frozen base the model holds is not the one" in r["other_base"], r

@@ -77,3 +77,18 @@ def test_bitsandbytes_parameters_are_refused_naming_the_knob() -> None:
     with pytest.raises(ValueError, match=r"0\.weight is a bitsandbytes Params4bit.*sdp_frozen_base_mode='nf4'"):
         refuse_bitsandbytes(model)
     refuse_bitsandbytes(nn.Sequential(nn.Linear(4, 4)))  # plain parameters pass
+
+
+def test_dequantize_in_chunks_gives_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dequantize_into works CHUNK_BLOCKS blocks at a time (its temporaries stay small): chunks of 3 blocks
+    give the values one chunk gives, bit for bit, over several rows and a partial last block."""
+    x = torch.randn(3, 64 * 7 + 5, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for mode in fq.QUANTIZED:
+        packed = torch.stack([fq.quantize(row, mode) for row in x])
+        whole = torch.empty(x.numel(), dtype=torch.bfloat16)
+        fq.dequantize_into(whole, packed, mode, x.shape[1])
+        monkeypatch.setattr(fq, "CHUNK_BLOCKS", 3)
+        chunked = torch.empty_like(whole)
+        fq.dequantize_into(chunked, packed, mode, x.shape[1])
+        monkeypatch.undo()
+        assert torch.equal(whole, chunked), mode

@@ -63,17 +63,32 @@ def test_quantized_frozen_base_is_modelled_per_64_value_block() -> None:
         d: lora.estimate_lora(shape, rank=16, sdp=4, frozen_dtype=d, persistence_threshold=0) for d in lora.FROZEN_BYTES
     }
     base = sum((n + 3) // 4 for n in shape.unit_numels)
-    # the exact bf16 shard stays (state dicts read it); the codes the runtime gathers come on top
-    assert all(e.frozen_sharded == 2 * base for e in sizes.values()) and sizes["bf16"].frozen_codes == 0
+    # int8 / nf4 store the codes only: the exact bf16 shard is dropped once quantized (runtime/frozen_exact.py)
+    assert sizes["bf16"].frozen_sharded == 2 * base and sizes["bf16"].frozen_codes == 0
+    assert sizes["int8"].frozen_sharded == sizes["nf4"].frozen_sharded == 0
     assert sizes["int8"].frozen_codes == -(-base * 17 // 16)  # 1 byte + a 4-byte scale per 64 values
     assert sizes["nf4"].frozen_codes == -(-base * 9 // 16)  # half a byte + the scale
     assert sizes["int8"].adapter_states == sizes["bf16"].adapter_states > 0
+
+
+def test_quantized_base_keeps_only_its_1d_tensors_whole() -> None:
+    """Under int8 / nf4 the small frozen matrices (under the threshold) are quantized with the shard; only
+    biases and layer norms stay whole: a GPT-NeoX block's 9 x hidden + MLP width, the final norm's 2 x hidden."""
+    shape = shape_from_module(models.tiny_neox(0, layers=2), persistence_threshold=int(1e6))
+    h, f = shape.hidden, lora.mlp_width(shape)
+    assert shape.persistent_numel > 2 * (9 * h + f) + 2 * h  # the tiny model's weights are all under 1e6
+    e = lora.estimate_lora(shape, rank=4, sdp=2, frozen_dtype="int8", persistence_threshold=int(1e6))
+    whole = 2 * (9 * h + f) + 2 * h
+    assert e.frozen_persistent == whole * (4 + 2 + 4)  # fp32 main, bf16 copy, fp32 grad
+    quantized = sum(-(-n // 2) for n in shape.unit_numels) + -(-(shape.persistent_numel - whole) // 2)
+    assert abs(e.frozen_codes - quantized * 17 / 16) <= 64 * len(shape.unit_numels)  # + per-unit rounding
 
 
 def test_cli_lora_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--params", "162e6", "--device", "cpu", "--gpus", "4", "--sdp", "4",
                  "--lora-rank", "16", "--frozen-dtype", "int8"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "frozen base shard" in out and "int8" in out and "checkpoint, adapter-only" in out
+    assert "frozen base shard" in out and "int8 codes" in out and "no exact copy" in out and "(bf16" not in out
+    assert "checkpoint, adapter-only" in out
     assert main(["estimate", "--params", "162e6", "--device", "cpu", "--gpus", "4", "--frozen-dtype", "nf4"]) == 2
     assert "give --lora-rank" in capsys.readouterr().err
