@@ -21,12 +21,30 @@ under its own topology, so at any sdp or world -- and refuses, on every rank and
 anything, a base that differs, naming the first differing tensor. A full checkpoint (partial=False)
 keeps every weight; `load_consolidated` of an adapter-only checkpoint yields the trained tensors only.
 
-The hash costs one pass over this rank's shard of the base per save (its fp32 bytes, CRC-32 at 1.5-2.7
-GB/s) and no collective beyond the gather of reports a save already does.
+The hash costs one pass over this rank's shard of the base (its fp32 bytes, CRC-32 at 1.5-2.7 GB/s) and
+no collective beyond the gather of reports a save already does: at wrap, and again only after the shard
+was written ([Note: fingerprint cache]).
+
+[Note: fingerprint cache]
+The base does not change in a run, and hashing it at every save was most of an adapter-only save (GPT-NeoX
+168m at sdp 4: 0.16-0.33 s per rank per save, against 0.1-0.4 s for DDP's whole save; docs/performance.md).
+So the wrap hashes each rank's pieces of the frozen shards once (`partial.prime_fingerprint`, from
+smp.DistributedModel) and a save reuses a piece's CRC while the shard is the same tensor, at the same
+address, with the same version counter -- the counter every in-place op on the shard or a view of it
+moves: shardpar's own writes (`copy_` at wrap, state-dict and checkpoint loads into the base), `p.add_()`
+on a parameter made from a view. Only pieces in a shard no module parameter views are reused
+(FrozenShard.viewed_by_params: at sdp > 1, or computing in another dtype, the parameters view a gathered
+or compute copy, so a write through their `.data` never reaches the shard); at sdp 1 in the shard's own
+dtype, and for frozen tensors kept whole (sdp_frozen_base_mode int8 / nf4), every save hashes again.
+What the counter cannot see is a write that reaches the shard's memory around autograd (`.data` of
+shardpar's internal views, numpy, ctypes): the fingerprint a save records is then that of the base as of
+the last write the counter saw. A resume never reuses a hash: it hashes the base it is given, so a base
+that differs from the recorded one is always refused.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -65,12 +83,40 @@ def _crc(values: torch.Tensor) -> int:
     return value
 
 
-def rank_hashes(slots: Iterable[tuple[Slot, bool]]) -> RankHashes:
-    """CRC-32 of each frozen piece this rank covers (`(slot, covers)`: exactly one rank covers each element)."""
+# (fqn, start, length, tp_rank) -> (the shard, weakly; its version counter; the piece's address; CRC):
+# [Note: fingerprint cache]. The weak reference proves the shard is still the same tensor (a model built
+# again has new shards, which miss); a freed one's entries are dropped at the next call.
+_Entry = tuple["weakref.ref[torch.Tensor]", int, int, int]
+_cache: dict[tuple[str, int, int, int], _Entry] = {}
+
+
+def _root(values: torch.Tensor) -> torch.Tensor:
+    return values if values._base is None else values._base  # a view's _base is never itself a view
+
+
+def _reused_crc(s: Slot) -> int:
+    key, root = (s.fqn, s.start, s.length, s.tp_rank), _root(s.value)
+    hit = _cache.get(key)
+    if hit is not None and hit[0]() is root and hit[1] == root._version and hit[2] == s.value.data_ptr():
+        return hit[3]
+    crc = _crc(s.value)
+    _cache[key] = (weakref.ref(root), root._version, s.value.data_ptr(), crc)
+    return crc
+
+
+def rank_hashes(slots: Iterable[tuple[Slot, bool]], *, reuse: bool = False) -> RankHashes:
+    """CRC-32 of each frozen piece this rank covers (`(slot, covers)`: exactly one rank covers each element).
+
+    reuse=True (a save): a private frozen piece's CRC from the cache while its shard is unchanged
+    ([Note: fingerprint cache]); False (a resume's check): everything hashed now."""
+    if reuse:
+        for key in [k for k, hit in _cache.items() if hit[0]() is None]:
+            del _cache[key]
     out: RankHashes = {}
     for s, covers in slots:
         if s.frozen and covers and s.length:
-            out.setdefault(s.fqn, []).append([s.start, s.length, s.tp_rank, _crc(s.value), _itemsize(s.value)])
+            crc = _reused_crc(s) if reuse and s.private else _crc(s.value)
+            out.setdefault(s.fqn, []).append([s.start, s.length, s.tp_rank, crc, _itemsize(s.value)])
     return out
 
 

@@ -45,6 +45,9 @@ class Slot:
     # does not train (frozen at wrap time): a partial checkpoint records it by a fingerprint, not its
     # values ([Note: adapter-only checkpoints] in fingerprint.py)
     frozen: bool = False
+    # frozen, in a shard the module's parameters never view: every write to it is one its version counter
+    # sees, so its hash may be reused while that counter stands ([Note: fingerprint cache] in fingerprint.py)
+    private: bool = False
 
     @property
     def tp_split(self) -> bool:
@@ -77,6 +80,7 @@ def slots(model: DistributedModel) -> list[Slot]:
                 rank,
                 piece.sharded and not piece.frozen and state.replica_sharded,  # a frozen shard: every replica's
                 piece.frozen or not piece.param.requires_grad,
+                state.frozen_shard_private(piece),
             )
         )
     return out

@@ -119,6 +119,13 @@ class ShardedState:
             return (unit.main_shard if unit.replica is None else unit.replica.main)[piece.local]
         return self._persistent.main_view(piece.pos)
 
+    def frozen_shard_private(self, piece: Piece) -> bool:
+        """A frozen piece in a shard no module parameter views (FrozenShard.viewed_by_params)."""
+        if not (piece.frozen and piece.sharded):
+            return False
+        frozen = self._units[piece.unit].frozen
+        return frozen is not None and not frozen.viewed_by_params
+
     def grad(self, piece: Piece) -> torch.Tensor | None:
         """The piece's fp32 main grad (a view shaped like `main(piece)`); None when there is none."""
         if piece.frozen:
