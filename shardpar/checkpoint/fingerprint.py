@@ -30,15 +30,19 @@ The base does not change in a run, and hashing it at every save was most of an a
 168m at sdp 4: 0.16-0.33 s per rank per save, against 0.1-0.4 s for DDP's whole save; docs/performance.md).
 So the wrap hashes each rank's pieces of the frozen shards once (`partial.prime_fingerprint`, from
 smp.DistributedModel) and a save reuses a piece's CRC while the shard is the same tensor, at the same
-address, with the same version counter -- the counter every in-place op on the shard or a view of it
-moves: shardpar's own writes (`copy_` at wrap, state-dict and checkpoint loads into the base), `p.add_()`
-on a parameter made from a view. Only pieces in a shard no module parameter views are reused
+address, with the same version counter -- which every in-place op on the shard or a plain view of it
+moves: shardpar's own writes (`copy_` at wrap, state-dict and checkpoint loads into the base) -- and
+while the model's `ShardedState.writes` stands, which every other write of main values moves: a user's
+write through a user parameter (`p.add_()`, `p.data.add_()`, `p.data = `: ShardedTensor writes below
+autograd, where the version counter does not move), a torch.distributed.checkpoint load, a state-dict
+load. A plain torch optimizer stepping the user parameters moves it at every step, so every save then
+hashes the base again. Only pieces in a shard no module parameter views are reused
 (FrozenShard.viewed_by_params: at sdp > 1, or computing in another dtype, the parameters view a gathered
 or compute copy, so a write through their `.data` never reaches the shard); at sdp 1 in the shard's own
 dtype, and for frozen tensors kept whole (sdp_frozen_base_mode int8 / nf4), every save hashes again.
-What the counter cannot see is a write that reaches the shard's memory around autograd (`.data` of
-shardpar's internal views, numpy, ctypes): the fingerprint a save records is then that of the base as of
-the last write the counter saw. A resume never reuses a hash: it hashes the base it is given, so a base
+What neither sees is a write that reaches the shard's memory around both (`.data` of shardpar's internal
+views such as `sharded_state.main(piece)`, numpy, ctypes): the fingerprint a save records is then that of
+the base as of the last write they saw. A resume never reuses a hash: it hashes the base it is given, so a base
 that differs from the recorded one is always refused.
 """
 
@@ -83,10 +87,10 @@ def _crc(values: torch.Tensor) -> int:
     return value
 
 
-# (fqn, start, length, tp_rank) -> (the shard, weakly; its version counter; the piece's address; CRC):
-# [Note: fingerprint cache]. The weak reference proves the shard is still the same tensor (a model built
-# again has new shards, which miss); a freed one's entries are dropped at the next call.
-_Entry = tuple["weakref.ref[torch.Tensor]", int, int, int]
+# (fqn, start, length, tp_rank) -> (the shard, weakly; its version counter; ShardedState.writes; the
+# piece's address; CRC): [Note: fingerprint cache]. The weak reference proves the shard is still the same
+# tensor (a model built again has new shards, which miss); a freed one's entries are dropped at the next call.
+_Entry = tuple["weakref.ref[torch.Tensor]", int, int, int, int]
 _cache: dict[tuple[str, int, int, int], _Entry] = {}
 
 
@@ -96,11 +100,11 @@ def _root(values: torch.Tensor) -> torch.Tensor:
 
 def _reused_crc(s: Slot) -> int:
     key, root = (s.fqn, s.start, s.length, s.tp_rank), _root(s.value)
-    hit = _cache.get(key)
-    if hit is not None and hit[0]() is root and hit[1] == root._version and hit[2] == s.value.data_ptr():
-        return hit[3]
+    hit, now = _cache.get(key), (root._version, s.writes, s.value.data_ptr())
+    if hit is not None and hit[0]() is root and hit[1:4] == now:
+        return hit[4]
     crc = _crc(s.value)
-    _cache[key] = (weakref.ref(root), root._version, s.value.data_ptr(), crc)
+    _cache[key] = (weakref.ref(root), *now, crc)
     return crc
 
 

@@ -48,6 +48,8 @@ class Slot:
     # frozen, in a shard the module's parameters never view: every write to it is one its version counter
     # sees, so its hash may be reused while that counter stands ([Note: fingerprint cache] in fingerprint.py)
     private: bool = False
+    # ShardedState.writes when the slot was taken: writes the version counter does not see move it
+    writes: int = 0
 
     @property
     def tp_split(self) -> bool:
@@ -81,6 +83,7 @@ def slots(model: DistributedModel) -> list[Slot]:
                 piece.sharded and not piece.frozen and state.replica_sharded,  # a frozen shard: every replica's
                 piece.frozen or not piece.param.requires_grad,
                 state.frozen_shard_private(piece),
+                state.writes,
             )
         )
     return out

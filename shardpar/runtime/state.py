@@ -82,6 +82,11 @@ class ShardedState:
         # Bumped whenever main values may have changed other than by an owner step (a step of the
         # pieces, a load, a user write): owner compute re-reads the values it keeps whole then.
         self.values_version = 0
+        # Bumped by every write of main values other than an optimizer step: a user's write through a user
+        # parameter (`p.add_()`, `p.data = `; ShardedTensor writes below autograd, so the shard's version
+        # counter does not move), a DCP load, a state-dict load. A frozen shard's cached checksum is
+        # reused only while it stands ([Note: fingerprint cache] in checkpoint/fingerprint.py).
+        self.writes = 0
         # shard_optimizer_state: the units' grads are disjoint over the rdp group, not only the sharding group.
         self.replica_sharded = any(u.replica is not None for u in units)
         # ... and under bf16/fp16 no rank has a unit's full fp32 values without the other replicas.
@@ -184,6 +189,7 @@ class ShardedState:
         parameters, `p.data = ...`): the compute copies refresh before the next forward."""
         self.main_written = True
         self.values_version += 1
+        self.writes += 1
 
     def refresh_if_written(self) -> None:
         """Before a forward: refresh after `mark_written`. Every rank runs the same writes (each rank's
@@ -245,6 +251,7 @@ class ShardedState:
     def load_full_values(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set the parameters `values` names (by piece name, full size; every rank passes the same)."""
         self.values_version += 1
+        self.writes += 1
         for unit, pieces in zip(self._units, self._unit_pieces, strict=True):
             unit_values.load_full_params(unit, {p.fqn: values[p.fqn] for p in pieces if p.fqn in values})
         self._persistent.load({p.fqn: values[p.fqn] for p in self._persistent_pieces if p.fqn in values})
@@ -270,6 +277,7 @@ class ShardedState:
                 "sharded_data_parallel_degree or tensor_parallel_degree use smp.save_checkpoint / "
                 "smp.resume_from_checkpoint, which reshard"
             )
+        self.writes += 1
         with torch.no_grad():
             for p in self.pieces:
                 self.main(p).copy_(values[p.fqn])

@@ -14,6 +14,8 @@ import shardpar as smp
 from shardpar.checkpoint import fingerprint
 from tests.multiproc.adapter_ckpt_cases import CHANGED, _step, _wrap
 
+OTHER = "base_model.model.gpt_neox.layers.0.attention.query_key_value.base_layer.weight"
+
 
 def _frozen(ckpt: Path, tag: str) -> dict[str, list[str]]:
     index = json.loads((ckpt / f"{tag}_partial" / "index.json").read_text())
@@ -54,16 +56,22 @@ def fingerprint_cache_case(root: str) -> dict[str, Any]:
         out["written"] = _save(ckpt, "c", model, opt, hashed)
         fingerprint._cache.clear()
         out["written_fresh"] = _save(ckpt, "d", model, opt, hashed)
+        # a write through the user parameter's .data (ShardedTensor: below autograd, no version bump)
+        with torch.no_grad():
+            dict(model.named_parameters())[OTHER].data.add_(1)
+        out["user_write"] = _save(ckpt, "e", model, opt, hashed)
+        fingerprint._cache.clear()
+        out["user_write_fresh"] = _save(ckpt, "f", model, opt, hashed)
         # a resume hashes the base it is given: poisoned cache entries change nothing
-        for key, (ref, version, ptr, value) in list(fingerprint._cache.items()):
-            fingerprint._cache[key] = (ref, version, ptr, value ^ 1)
+        for key, entry in list(fingerprint._cache.items()):
+            fingerprint._cache[key] = (*entry[:-1], entry[-1] ^ 1)
         try:
-            smp.resume_from_checkpoint(str(ckpt), tag="d")
+            smp.resume_from_checkpoint(str(ckpt), tag="f")
             out["resume"] = "ok"
         except smp.CheckpointError as e:
             out["resume"] = str(e)
         try:
-            smp.resume_from_checkpoint(str(ckpt), tag="a")  # the base before the write: refused
+            smp.resume_from_checkpoint(str(ckpt), tag="a")  # the base before both writes: refused
             out["resume_old"] = "ok"
         except smp.CheckpointError as e:
             out["resume_old"] = str(e)

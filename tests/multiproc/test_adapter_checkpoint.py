@@ -47,7 +47,8 @@ def test_adapter_only_checkpoint_resumes_at_another_sdp_and_refuses_another_base
 def test_adapter_save_reuses_the_base_fingerprint_until_the_base_is_written(ranks, tmp_path: Path) -> None:
     """[Note: fingerprint cache]: the wrap hashes the frozen base (sdp 2: each rank its shard); saves after
     training steps hash nothing again and record what a fresh hash records; a write into the base after
-    wrap (load_state_dict) is hashed again at the next save; a resume never reuses a hash."""
+    wrap (load_state_dict) is hashed again at the next save, and so is a write through a user parameter's
+    `.data`, which moves no version counter; a resume never reuses a hash."""
     from tests.multiproc import fingerprint_cache_cases
 
     for r in ranks.run(2, fingerprint_cache_cases.fingerprint_cache_case, str(tmp_path), timeout=300):
@@ -56,8 +57,11 @@ def test_adapter_save_reuses_the_base_fingerprint_until_the_base_is_written(rank
         assert reused == 0 and fresh == r["frozen_numel"], (reused, fresh)
         assert saved == saved_fresh and len(saved) > 10, saved
         (rehashed, written), (_, written_fresh) = r["written"], r["written_fresh"]
-        assert 0 < rehashed < r["frozen_numel"], rehashed  # the written unit's shard, not the whole base
+        assert rehashed > 0, rehashed  # hashed again (every frozen piece: a load moves ShardedState.writes)
         assert written == written_fresh and written[CHANGED] != saved[CHANGED], written[CHANGED]
         assert {f for f in saved if written[f] != saved[f]} == {CHANGED}
+        (rehashed, user), (_, user_fresh) = r["user_write"], r["user_write_fresh"]
+        assert rehashed > 0 and user == user_fresh, rehashed  # p.data.add_() moves no version counter
+        assert {f for f in user if user[f] != written[f]} == {fingerprint_cache_cases.OTHER}
         assert r["resume"] == "ok", r["resume"]
-        assert CHANGED in r["resume_old"] and "same base weights" in r["resume_old"], r["resume_old"]
+        assert "2 of " in r["resume_old"] and "same base weights" in r["resume_old"], r["resume_old"]
