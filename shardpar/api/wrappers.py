@@ -15,6 +15,7 @@ from torch import nn
 from shardpar.api.context import _REGISTERED, _TP_MARKS, state
 from shardpar.api.same_model import check_same_model
 from shardpar.api.summary import engine_name, log_owner_compute, log_wrap_summary
+from shardpar.checkpoint.partial import prime_fingerprint
 from shardpar.checkpoint.torch_state_dict import install as install_torch_state_dict
 from shardpar.optim.loss_scaling import make_loss_scaler
 from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
@@ -107,6 +108,7 @@ class DistributedModel(_DistributedModel):
             broadcast_buffers=broadcast_buffers,
         )
         st.model = self
+        prime_fingerprint(self)  # the frozen base's CRCs, reused by adapter-only saves ([Note: fingerprint cache])
         install_torch_state_dict()  # torch.distributed.checkpoint.state_dict's functions take it (idempotent)
         log_wrap_summary(self, engine_name(st.engine.name, st.config.ddp_dist_backend))  # rank 0: one INFO record
 

@@ -160,20 +160,46 @@ def _gf2_square(matrix: list[int]) -> list[int]:
     return [_gf2_times(matrix, row) for row in matrix]
 
 
+def _byte_tables(matrix: list[int]) -> tuple[list[int], ...]:
+    """`matrix` as four 256-entry tables, one per byte of the vector: a product is four look-ups."""
+    tables = []
+    for j in range(4):
+        rows, table = matrix[8 * j : 8 * j + 8], [0] * 256
+        for b in range(1, 256):  # linear: b's entry is its lowest bit's row XOR the entry of b without it
+            low = (b & -b).bit_length() - 1
+            table[b] = table[b & (b - 1)] ^ rows[low]
+        tables.append(table)
+    return tuple(tables)
+
+
+# _ZEROS[k]: the operator that appends 2^k zero bytes to a CRC, as byte tables; grown on demand. Squaring
+# a 32 x 32 bit matrix in Python is ~1000 operations: done once per k for the process, not once per bit
+# of every length combined (an adapter-only save of GPT-NeoX 168m combines ~600 pieces: 0.43 s before).
+_ZEROS: list[tuple[list[int], tuple[list[int], ...]]] = []
+
+
+def _zeros_operator(k: int) -> tuple[list[int], ...]:
+    if not _ZEROS:
+        op = [_CRC32_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
+        for _ in range(3):
+            op = _gf2_square(op)  # ... for one zero byte
+        _ZEROS.append((op, _byte_tables(op)))
+    while len(_ZEROS) <= k:
+        op = _gf2_square(_ZEROS[-1][0])
+        _ZEROS.append((op, _byte_tables(op)))
+    return _ZEROS[k][1]
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of A + B from crc32(A), crc32(B) and len(B) -- zlib's crc32_combine, which Python's zlib
     does not expose. Ranks hash their own pieces of a tensor and the pieces combine, in element order,
-    into the CRC-32 of the whole tensor's bytes: the same value whatever sdp cut it (O(log len2) 32x32
-    bit-matrix products, microseconds)."""
-    if len2 <= 0:
-        return crc1
-    op = [_CRC32_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
-    for _ in range(3):
-        op = _gf2_square(op)  # ... for one zero byte
-    while len2:  # apply len2 zero bytes to crc1: the operator for 2^k bytes where bit k of len2 is set
+    into the CRC-32 of the whole tensor's bytes: the same value whatever sdp cut it (one product of a
+    cached operator per set bit of len2, four table look-ups each)."""
+    k = 0
+    while len2 > 0:  # apply len2 zero bytes to crc1: the operator for 2^k bytes where bit k of len2 is set
         if len2 & 1:
-            crc1 = _gf2_times(op, crc1)
+            t0, t1, t2, t3 = _zeros_operator(k)
+            crc1 = t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24]
         len2 >>= 1
-        if len2:
-            op = _gf2_square(op)
+        k += 1
     return crc1 ^ crc2

@@ -21,12 +21,34 @@ under its own topology, so at any sdp or world -- and refuses, on every rank and
 anything, a base that differs, naming the first differing tensor. A full checkpoint (partial=False)
 keeps every weight; `load_consolidated` of an adapter-only checkpoint yields the trained tensors only.
 
-The hash costs one pass over this rank's shard of the base per save (its fp32 bytes, CRC-32 at 1.5-2.7
-GB/s) and no collective beyond the gather of reports a save already does.
+The hash costs one pass over this rank's shard of the base (its fp32 bytes, CRC-32 at 1.5-2.7 GB/s) and
+no collective beyond the gather of reports a save already does: at wrap, and again only after the shard
+was written ([Note: fingerprint cache]).
+
+[Note: fingerprint cache]
+The base does not change in a run, and hashing it at every save was most of an adapter-only save (GPT-NeoX
+168m at sdp 4: 0.16-0.33 s per rank per save, against 0.1-0.4 s for DDP's whole save; docs/performance.md).
+So the wrap hashes each rank's pieces of the frozen shards once (`partial.prime_fingerprint`, from
+smp.DistributedModel) and a save reuses a piece's CRC while the shard is the same tensor, at the same
+address, with the same version counter -- which every in-place op on the shard or a plain view of it
+moves: shardpar's own writes (`copy_` at wrap, state-dict and checkpoint loads into the base) -- and
+while the model's `ShardedState.writes` stands, which every other write of main values moves: a user's
+write through a user parameter (`p.add_()`, `p.data.add_()`, `p.data = `: ShardedTensor writes below
+autograd, where the version counter does not move), a torch.distributed.checkpoint load, a state-dict
+load. A plain torch optimizer stepping the user parameters moves it at every step, so every save then
+hashes the base again. Only pieces in a shard no module parameter views are reused
+(FrozenShard.viewed_by_params: at sdp > 1, or computing in another dtype, the parameters view a gathered
+or compute copy, so a write through their `.data` never reaches the shard); at sdp 1 in the shard's own
+dtype, and for frozen tensors kept whole (sdp_frozen_base_mode int8 / nf4), every save hashes again.
+What neither sees is a write that reaches the shard's memory around both (`.data` of shardpar's internal
+views such as `sharded_state.main(piece)`, numpy, ctypes): the fingerprint a save records is then that of
+the base as of the last write they saw. A resume never reuses a hash: it hashes the base it is given, so a base
+that differs from the recorded one is always refused.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -54,14 +76,47 @@ def entries(slots: Iterable[Slot]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def rank_hashes(slots: Iterable[tuple[Slot, bool]]) -> RankHashes:
+def _crc(values: torch.Tensor) -> int:
+    return frozen_exact.piece_crc(values)  # one hash for a piece, whether taken at wrap, save or resume
+
+
+# (fqn, start, length, tp_rank) -> (the shard, weakly; its version counter; ShardedState.writes; the
+# piece's address; CRC): [Note: fingerprint cache]. The weak reference proves the shard is still the same
+# tensor (a model built again has new shards, which miss); a freed one's entries are dropped at the next call.
+_Entry = tuple["weakref.ref[torch.Tensor]", int, int, int, int]
+_cache: dict[tuple[str, int, int, int], _Entry] = {}
+
+
+def _root(values: torch.Tensor) -> torch.Tensor:
+    return values if values._base is None else values._base  # a view's _base is never itself a view
+
+
+def _reused_crc(s: Slot) -> int:
+    key, root = (s.fqn, s.start, s.length, s.tp_rank), _root(s.view)
+    hit, now = _cache.get(key), (root._version, s.writes, s.view.data_ptr())
+    if hit is not None and hit[0]() is root and hit[1:4] == now:
+        return hit[4]
+    crc = _crc(s.value)
+    _cache[key] = (weakref.ref(root), *now, crc)
+    return crc
+
+
+def rank_hashes(slots: Iterable[tuple[Slot, bool]], *, reuse: bool = False) -> RankHashes:
     """CRC-32 of each frozen piece this rank covers (`(slot, covers)`: exactly one rank covers each element).
-    A quantized base's piece has no exact values left: its checksum was taken from them at wrap or at
-    the load that wrote them ([Note: quantized base keeps no exact shard], runtime/frozen_exact.py)."""
+
+    reuse=True (a save): a private frozen piece's CRC from the cache while its shard is unchanged
+    ([Note: fingerprint cache]); False (a resume's check): everything hashed now. A quantized base's piece
+    has no exact values left: its checksum was taken from them at wrap or at the load that wrote them
+    ([Note: quantized base keeps no exact shard], runtime/frozen_exact.py)."""
+    if reuse:
+        for key in [k for k, hit in _cache.items() if hit[0]() is None]:
+            del _cache[key]
     out: RankHashes = {}
     for s, covers in slots:
         if s.frozen and covers and s.length:
-            crc = s.exact_crc if s.exact_crc is not None else frozen_exact.piece_crc(s.view)
+            crc = s.exact_crc  # a quantized piece's, taken from its exact values
+            if crc is None:
+                crc = _reused_crc(s) if reuse and s.private else _crc(s.value)
             out.setdefault(s.fqn, []).append([s.start, s.length, s.tp_rank, crc, _itemsize(s.view)])
     return out
 

@@ -47,6 +47,13 @@ def writes(slot: Slot, coords: RankCoords) -> bool:
     return coords.rdp_rank == 0
 
 
+def prime_fingerprint(model: DistributedModel) -> None:
+    """Hash this rank's pieces of the frozen base now (at wrap), so that adapter-only saves reuse the
+    CRCs while the base is unchanged ([Note: fingerprint cache] in fingerprint.py)."""
+    coords = model.topology.coords
+    fingerprint.rank_hashes(((s, s.private and writes(s, coords)) for s in slots(model)), reuse=True)
+
+
 def write_rank_file(
     tmp: Path, checkpoint_id: str, model: DistributedModel, optimizer: DistributedOptimizer | None
 ) -> dict[str, Any]:
@@ -65,7 +72,7 @@ def collect_rank_file(
     state_meta: dict[str, dict[str, Any]] = {}
     owned = {id(leaf) for _, leaf, _ in optimizer.owned_leaves()} if optimizer is not None else set()
     every = slots(model)
-    frozen = fingerprint.rank_hashes((s, writes(s, coords)) for s in every)
+    frozen = fingerprint.rank_hashes(((s, writes(s, coords)) for s in every), reuse=True)
     for slot in every:
         if slot.frozen or not writes(slot, coords):
             continue

@@ -50,6 +50,11 @@ class Slot:
     # a load, and `exact_crc` is the checksum of the exact values it had, for the fingerprint.
     hold: Callable[[], None] | None = None
     exact_crc: int | None = None
+    # frozen, in a shard the module's parameters never view: every write to it is one its version counter
+    # sees, so its hash may be reused while that counter stands ([Note: fingerprint cache] in fingerprint.py)
+    private: bool = False
+    # ShardedState.writes when the slot was taken: writes the version counter does not see move it
+    writes: int = 0
 
     @property
     def value(self) -> torch.Tensor:
@@ -92,6 +97,8 @@ def slots(model: DistributedModel) -> list[Slot]:
                 piece.frozen or not piece.param.requires_grad,
                 None if quantized is None else quantized.hold_values,
                 None if quantized is None else quantized.exact_crcs.get(piece.fqn),
+                state.frozen_shard_private(piece),
+                state.writes,
             )
         )
     return out

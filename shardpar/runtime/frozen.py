@@ -99,6 +99,14 @@ class FrozenShard:
         return self.mode == "keep_gathered" and self.comm.sharding.size > 1
 
     @property
+    def viewed_by_params(self) -> bool:
+        """Whether the module's parameters view `shard` itself while gathered (sdp 1, computing in the
+        shard's dtype): a write through their `.data` then reaches the shard unseen by its version counter.
+        Otherwise they view a gathered or compute copy and only code holding `shard` writes it (with
+        `copy_`, which the version counter sees): [Note: fingerprint cache] in checkpoint/fingerprint.py."""
+        return self.comm.sharding.size == 1 and not self.quantized and self.compute_dtype == self.dtype
+
+    @property
     def padded_numel(self) -> int:
         return self.layout.padded_numel
 

@@ -82,6 +82,11 @@ class ShardedState:
         # Bumped whenever main values may have changed other than by an owner step (a step of the
         # pieces, a load, a user write): owner compute re-reads the values it keeps whole then.
         self.values_version = 0
+        # Bumped by every write of main values other than an optimizer step: a user's write through a user
+        # parameter (`p.add_()`, `p.data = `; ShardedTensor writes below autograd, so the shard's version
+        # counter does not move), a DCP load, a state-dict load. A frozen shard's cached checksum is
+        # reused only while it stands ([Note: fingerprint cache] in checkpoint/fingerprint.py).
+        self.writes = 0
         # shard_optimizer_state: the units' grads are disjoint over the rdp group, not only the sharding group.
         self.replica_sharded = any(u.replicas.splits for u in units)
         # ... and under bf16/fp16 no rank has a unit's full fp32 values without the other replicas.
@@ -129,6 +134,13 @@ class ShardedState:
 
     def _quantized_shards(self) -> list[FrozenShard]:
         return [u.frozen for u in self._units if u.frozen is not None and u.frozen.quantized]
+
+    def frozen_shard_private(self, piece: Piece) -> bool:
+        """A frozen piece in a shard no module parameter views (FrozenShard.viewed_by_params)."""
+        if not (piece.frozen and piece.sharded):
+            return False
+        frozen = self._units[piece.unit].frozen
+        return frozen is not None and not frozen.viewed_by_params
 
     def grad(self, piece: Piece) -> torch.Tensor | None:
         """The piece's fp32 main grad (a view shaped like `main(piece)`); None when there is none."""
@@ -193,6 +205,7 @@ class ShardedState:
         parameters, `p.data = ...`): the compute copies refresh before the next forward."""
         self.main_written = True
         self.values_version += 1
+        self.writes += 1
 
     def refresh_if_written(self) -> None:
         """Before a forward: refresh after `mark_written`. Every rank runs the same writes (each rank's
@@ -255,6 +268,7 @@ class ShardedState:
         """Set the parameters `values` names (by piece name, full size; every rank passes the same)."""
         self.will_write("model.load_state_dict()")
         self.values_version += 1
+        self.writes += 1
         for unit, pieces in zip(self._units, self._unit_pieces, strict=True):
             unit_values.load_full_params(unit, {p.fqn: values[p.fqn] for p in pieces if p.fqn in values})
         self._persistent.load({p.fqn: values[p.fqn] for p in self._persistent_pieces if p.fqn in values})
@@ -288,6 +302,7 @@ class ShardedState:
                 "smp.resume_from_checkpoint, which reshard"
             )
         self.will_write("model.load_state_dict() of a local state dict")
+        self.writes += 1
         for frozen in self._quantized_shards():
             frozen.hold_values()  # the copy writes them; refresh_compute quantizes the new values
         with torch.no_grad():

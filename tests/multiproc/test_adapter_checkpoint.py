@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.multiproc import adapter_ckpt_cases as cases
+from tests.multiproc.adapter_ckpt_cases import CHANGED
 
 INDEX_ALLOWANCE = 64 << 10  # index.json, rng.safetensors and the safetensors headers: fixed, not per weight
 
@@ -41,3 +42,26 @@ def test_adapter_only_checkpoint_resumes_at_another_sdp_and_refuses_another_base
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(r0["peft_files"]), r0["peft_files"]
     assert r0["peft_diff"] == 0.0, r0["peft_diff"]
     assert "adapter-only" in r0["convert_refused"] and "partial=False" in r0["convert_refused"], r0["convert_refused"]
+
+
+def test_adapter_save_reuses_the_base_fingerprint_until_the_base_is_written(ranks, tmp_path: Path) -> None:
+    """[Note: fingerprint cache]: the wrap hashes the frozen base (sdp 2: each rank its shard); saves after
+    training steps hash nothing again and record what a fresh hash records; a write into the base after
+    wrap (load_state_dict) is hashed again at the next save, and so is a write through a user parameter's
+    `.data`, which moves no version counter; a resume never reuses a hash."""
+    from tests.multiproc import fingerprint_cache_cases
+
+    for r in ranks.run(2, fingerprint_cache_cases.fingerprint_cache_case, str(tmp_path), timeout=300):
+        assert r["at_wrap"] == r["frozen_numel"], r  # every frozen element hashed once, by one rank
+        (reused, saved), (fresh, saved_fresh) = r["reused"], r["fresh"]
+        assert reused == 0 and fresh == r["frozen_numel"], (reused, fresh)
+        assert saved == saved_fresh and len(saved) > 10, saved
+        (rehashed, written), (_, written_fresh) = r["written"], r["written_fresh"]
+        assert rehashed > 0, rehashed  # hashed again (every frozen piece: a load moves ShardedState.writes)
+        assert written == written_fresh and written[CHANGED] != saved[CHANGED], written[CHANGED]
+        assert {f for f in saved if written[f] != saved[f]} == {CHANGED}
+        (rehashed, user), (_, user_fresh) = r["user_write"], r["user_write_fresh"]
+        assert rehashed > 0 and user == user_fresh, rehashed  # p.data.add_() moves no version counter
+        assert {f for f in user if user[f] != written[f]} == {fingerprint_cache_cases.OTHER}
+        assert r["resume"] == "ok", r["resume"]
+        assert "2 of " in r["resume_old"] and "same base weights" in r["resume_old"], r["resume_old"]

@@ -219,3 +219,41 @@ def test_crc32_combine_is_the_crc_of_the_concatenation() -> None:
         for lo, hi in itertools.pairwise(bounds):
             value = checksum.crc32_combine(value, zlib.crc32(data[lo:hi]), hi - lo)
         assert value == zlib.crc32(data), cuts
+
+
+def test_crc32_combine_long_lengths() -> None:
+    """The cached zero-byte operators (2^k bytes, one per bit of the length) up to 2^40 bytes: pieces of a
+    4 MiB buffer against zlib, and 40-bit lengths against appending zeros by the operator squared per bit
+    (the straightforward form the cache replaces, itself checked against zlib on short zero runs)."""
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 256, ((1 << 22) + 3,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    bounds = [0, 5, (1 << 21) + 7, (1 << 22) - 1, len(data)]
+    value = checksum.start()
+    for lo, hi in itertools.pairwise(bounds):
+        value = checksum.crc32_combine(value, zlib.crc32(data[lo:hi]), hi - lo)
+    assert value == zlib.crc32(data)
+
+    def append_zeros(crc: int, n: int) -> int:  # zlib's definition, one 32 x 32 product per set bit of n
+        op = [0xEDB88320] + [1 << i for i in range(31)]
+        for _ in range(3):
+            op = [_times(op, row) for row in op]
+        while n:
+            if n & 1:
+                crc = _times(op, crc)
+            n >>= 1
+            op = [_times(op, row) for row in op]
+        return crc
+
+    assert append_zeros(0x12345678, 1000) == zlib.crc32(bytes(1000), 0x12345678) ^ zlib.crc32(bytes(1000))
+    for n in (1, 255, 256, (1 << 32) + 1, (1 << 40) - 3, 0x5A5A5A5A5A):
+        assert checksum.crc32_combine(0xDEADBEEF, 0x0BADF00D, n) == append_zeros(0xDEADBEEF, n) ^ 0x0BADF00D, n
+
+
+def _times(matrix: list[int], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
