@@ -31,7 +31,9 @@ from typing import Any
 MODES = ("sync", "block", "async")
 
 
-def _rank(world: int, sdp: int, saves: int, every: int, hidden: int, layers: int, root: str) -> dict[str, Any]:
+def _rank(
+    world: int, sdp: int, saves: int, every: int, hidden: int, layers: int, vocab: int, root: str
+) -> dict[str, Any]:
     import torch
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -42,7 +44,7 @@ def _rank(world: int, sdp: int, saves: int, every: int, hidden: int, layers: int
     smp.init({"sharded_data_parallel_degree": sdp, "sdp_param_persistence_threshold": 1000})  # layers sharded
     torch.manual_seed(0)
     cfg = GPTNeoXConfig(
-        vocab_size=2048, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
         intermediate_size=4 * hidden, max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
     model = smp.DistributedModel(GPTNeoXForCausalLM(cfg))
@@ -97,6 +99,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4, help="steps between saves")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048, help="50304 with --hidden 768 --layers 12: the 168m class")
     p.add_argument("--dir", help="checkpoint directory (default: a temporary one, removed after)")
     a = p.parse_args()
     from shardpar.cli.launcher import launch_local
@@ -104,7 +107,9 @@ def main() -> None:
     root = a.dir or tempfile.mkdtemp(prefix="bench_async_save_")
     load = os.getloadavg()
     try:
-        res = launch_local(_rank, a.world, a.world, a.sdp, a.saves, a.every, a.hidden, a.layers, root, timeout_s=1800)
+        res = launch_local(
+            _rank, a.world, a.world, a.sdp, a.saves, a.every, a.hidden, a.layers, a.vocab, root, timeout_s=1800
+        )
     finally:
         if a.dir is None:
             shutil.rmtree(root, ignore_errors=True)
