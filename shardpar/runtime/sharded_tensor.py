@@ -31,7 +31,7 @@ AllGather per unit straight into the parameters' views. So the wrapper keeps tha
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -151,10 +151,8 @@ class ShardedTensor(torch.Tensor):
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         if func not in _ALIAS:  # a detach or alias reads nothing (nn.Parameter() detaches at wrap)
-            for a in args:  # a list argument: the _foreach ops
-                for t in a if isinstance(a, list | tuple) else (a,):
-                    if isinstance(t, ShardedTensor) and t._layout.on_use is not None:
-                        t._layout.on_use()
+            tensors = (t for a in args for t in (a if isinstance(a, list | tuple) else (a,)))  # lists: _foreach ops
+            _call_each_once(t._layout.on_use for t in tensors if isinstance(t, ShardedTensor))
         return _dispatch(func, args, kwargs or {})
 
 
@@ -258,20 +256,20 @@ def _elementwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     return _wrap(out, layout)
 
 
+def _call_each_once(hooks: Iterable[Callable[[], None] | None]) -> None:
+    """Call each distinct layout hook once: the tensors of one op often share a layout's."""
+    for hook in {id(h): h for h in hooks if h is not None}.values():
+        hook()
+
+
 def _will_write(targets: Sequence[Any]) -> None:
-    """Before an in-place op: let the owners of the layouts wait for readers of the old values (once each)."""
-    calls = {id(t._layout.before_write): t._layout.before_write for t in targets if isinstance(t, ShardedTensor)}
-    for call in calls.values():
-        if call is not None:
-            call()
+    """Before an in-place op: let the owners of the layouts wait for readers of the old values."""
+    _call_each_once(t._layout.before_write for t in targets if isinstance(t, ShardedTensor))
 
 
 def _written(targets: Sequence[Any]) -> None:
-    """Tell the owners of the layouts an in-place op wrote (once each)."""
-    calls = {id(t._layout.on_write): t._layout.on_write for t in targets if isinstance(t, ShardedTensor)}
-    for call in calls.values():
-        if call is not None:
-            call()
+    """Tell the owners of the layouts an in-place op wrote."""
+    _call_each_once(t._layout.on_write for t in targets if isinstance(t, ShardedTensor))
 
 
 def _wrap(out: Any, layout: ShardLayout) -> Any:
