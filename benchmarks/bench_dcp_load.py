@@ -27,17 +27,14 @@ import argparse
 import shutil
 import statistics
 import tempfile
-import time
 from typing import Any
 
 
 def _rank(
     world: int, sdp: int, threshold: int, rounds: int, hidden: int, layers: int, vocab: int, root: str
 ) -> dict[str, Any]:
+    import dcp_recipe
     import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
@@ -62,22 +59,12 @@ def _rank(
     ours = smp.DistributedModel(GPTNeoXForCausalLM(cfg))
     ours_opt = smp.DistributedOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-4))
 
-    def save(model: Any, opt: Any, path: str) -> None:
-        msd, osd = get_state_dict(model, opt)  # fills the optimizer's state
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    dcp_recipe.save(fsdp, fsdp_opt, f"{root}/fsdp2")
+    dcp_recipe.save(ours, ours_opt, f"{root}/shardpar")
 
     def load(model: Any, opt: Any, path: str) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        msd, osd = get_state_dict(model, opt)
-        sd = {"model": msd, "optim": osd}
-        dcp.load(sd, checkpoint_id=path)
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        dist.barrier()
-        return time.perf_counter() - t0
+        return dcp_recipe.timed(lambda: dcp_recipe.load(model, opt, path))
 
-    save(fsdp, fsdp_opt, f"{root}/fsdp2")
-    save(ours, ours_opt, f"{root}/shardpar")
     out: dict[str, Any] = {"params": params, "fsdp2_own": [], "shardpar_from_fsdp2": [], "fsdp2_from_shardpar": []}
     for _ in range(rounds):
         out["fsdp2_from_shardpar"].append(load(fsdp, fsdp_opt, f"{root}/shardpar"))

@@ -20,21 +20,14 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 
 def _rank(world: int, sdp: int, rounds: int, hidden: int, layers: int, vocab: int, root: str) -> dict[str, Any]:
+    import dcp_recipe
     import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        get_state_dict,
-        set_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     import shardpar as smp
@@ -63,22 +56,11 @@ def _rank(world: int, sdp: int, rounds: int, hidden: int, layers: int, vocab: in
         get_optimizer_state_dict(model, opt)  # fills the state (torch's lr-0 step), as a first save would
         jobs[name] = (model, opt)
 
-    def timed(fn: Any) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
-
     def save(name: str) -> None:
-        msd, osd = get_state_dict(*jobs[name])
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/{name}")
+        dcp_recipe.save(*jobs[name], f"{root}/{name}")
 
     def load(name: str) -> None:
-        msd, osd = get_state_dict(*jobs[name])
-        sd = {"model": msd, "optim": osd}
-        dcp.load(sd, checkpoint_id=f"{root}/{name}")
-        set_state_dict(*jobs[name], model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        dcp_recipe.load(*jobs[name], f"{root}/{name}")
 
     def full(name: str) -> None:
         get_optimizer_state_dict(*jobs[name], options=StateDictOptions(full_state_dict=True))
@@ -88,7 +70,7 @@ def _rank(world: int, sdp: int, rounds: int, hidden: int, layers: int, vocab: in
     for _ in range(rounds):
         for name in jobs:
             for what, fn in (("save", save), ("load", load), ("full", full)):
-                out.setdefault(f"{what} {name}", []).append(timed(lambda fn=fn, name=name: fn(name)))
+                out.setdefault(f"{what} {name}", []).append(dcp_recipe.timed(lambda fn=fn, name=name: fn(name)))
     smp.shutdown()
     return out
 
