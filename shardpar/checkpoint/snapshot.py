@@ -289,7 +289,9 @@ def remove_rank(directory: Path, rank: int) -> None:
     """Delete this rank's snapshots (a normal finish); the directory too once no rank's file is left."""
     for slot in (0, 1):
         file_of(directory, rank, slot).unlink(missing_ok=True)
-    for stale in directory.glob(f".rank{rank:05d}.tmp-*"):
-        stale.unlink(missing_ok=True)
+    # Another rank's remove_rank may rmdir the directory as soon as this rank's files above are gone.
+    with contextlib.suppress(FileNotFoundError):
+        for stale in directory.glob(f".rank{rank:05d}.tmp-*"):
+            stale.unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # other ranks' files are still there (they remove theirs), or it is gone
         directory.rmdir()

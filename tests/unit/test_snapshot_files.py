@@ -120,3 +120,22 @@ def test_owner_held_state_is_in_the_snapshot_and_resumes(monkeypatch: pytest.Mon
         assert smp.resume_from_checkpoint(tmp_path / "ckpt") == {"step": 2}
         loaded = owned(opt)
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+def test_removing_a_rank_tolerates_another_rank_removing_the_directory(tmp_path: Path) -> None:
+    # Ranks finish together: once rank 0's files are gone, rank 1's remove_rank may rmdir the directory
+    # between glob's is-it-a-directory check and its scandir (a FileNotFoundError there hung a CI barrier).
+    directory = tmp_path / "shardpar-snap-j"
+    directory.mkdir()
+    snapshot.file_of(directory, 0, 0).write_bytes(b"x")
+    scandir = Path._scandir  # type: ignore[attr-defined]
+
+    def peer_rmdir_then_scandir(self: Path):  # type: ignore[no-untyped-def]
+        if self == directory and directory.exists():
+            directory.rmdir()  # the peer's rmdir: this rank's own file is already gone
+        return scandir(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "_scandir", peer_rmdir_then_scandir)
+        snapshot.remove_rank(directory, 0)
+    assert not directory.exists()
