@@ -25,6 +25,12 @@ torch.distributed.all_gather_into_tensor), checkpoint bytes and save time (slowe
     .venv/bin/python benchmarks/bench_lora.py --model 563m --frameworks shardpar,fsdp2,ddp --steps 3
     .venv/bin/python benchmarks/bench_lora.py --model 168m --frameworks shardpar --frozen-base-mode int8
 
+The base is built in bf16 (as `from_pretrained(..., dtype=torch.bfloat16)` loads one). shardpar's wrap hands
+the freed full model back to the OS (malloc_trim, api/memory.py); --trim-after-setup does the same for
+every framework after its set-up, and --mmap-threshold BYTES sets glibc's MALLOC_MMAP_THRESHOLD_ in every
+rank (freed blocks of that size or more leave the heap at once), so that a peak can be read with and
+without the allocator's retention.
+
 Each framework runs in freshly spawned ranks, one framework at a time; --repeats N runs each N times in
 rotated order (A B C, B C A, ...) and reports the median step and save time, the largest peaks.
 Results: docs/performance.md.
@@ -66,6 +72,7 @@ class Case:
     steps: int = 3
     frozen_base_mode: str | None = None
     ckpt_dir: str = ""
+    trim_after_setup: bool = False
 
 
 # ---- rank side ------------------------------------------------------------------------------------
@@ -101,7 +108,12 @@ def _peft_model(case: Case) -> Any:
     )  # fmt: skip
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    base = GPTNeoXForCausalLM(cfg).to(torch.bfloat16)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as from_pretrained(dtype=torch.bfloat16): never an fp32 copy
+    try:
+        base = GPTNeoXForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(dtype)
     lora = LoraConfig(r=case.rank_r, lora_alpha=2 * case.rank_r, target_modules=TARGETS, lora_dropout=0.0)
     return get_peft_model(base, lora)
 
@@ -206,6 +218,8 @@ def _setup(case: Case) -> tuple[Any, Any, Any, Any]:
 
 
 def run_rank(case: Case, rank: int) -> dict[str, Any]:
+    import ctypes
+    import ctypes.util
     import gc
 
     import torch
@@ -216,6 +230,8 @@ def run_rank(case: Case, rank: int) -> dict[str, Any]:
     transformers.logging.set_verbosity_error()
     step, gathered, save, teardown = _setup(case)
     gc.collect()
+    if case.trim_after_setup:  # what shardpar's wrap does itself (api/memory.py), for every framework
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     setup_peak = _status_mib("VmHWM")
     _reset_hwm()
     times, per_step = [], []
@@ -330,7 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs per framework, in rotated order")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--trim-after-setup", action="store_true", help="malloc_trim(0) after set-up, every framework")
+    ap.add_argument(
+        "--mmap-threshold", type=int, default=None,
+        help="MALLOC_MMAP_THRESHOLD_ for every rank (bytes): blocks at least this large go back to the OS when freed",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.mmap_threshold is not None:  # glibc reads it when a spawned rank starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     frameworks = args.frameworks.split(",")
     for fw in frameworks:
@@ -343,7 +366,10 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.repeats):  # A B C, B C A, ...: the machine's drift hits every framework alike
                 for fw in frameworks[rep % len(frameworks) :] + frameworks[: rep % len(frameworks)]:
                     mode = args.frozen_base_mode if fw == "shardpar" else None
-                    case = Case(fw, model, warmup=args.warmup, steps=args.steps, frozen_base_mode=mode, ckpt_dir=tmp)
+                    case = Case(
+                        fw, model, warmup=args.warmup, steps=args.steps, frozen_base_mode=mode, ckpt_dir=tmp,
+                        trim_after_setup=args.trim_after_setup,
+                    )  # fmt: skip
                     t0 = time.perf_counter()
                     row = summary(case, launch(case, args.timeout))
                     runs.setdefault((model, fw), []).append(row)

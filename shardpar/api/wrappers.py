@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from shardpar.api.context import _REGISTERED, _TP_MARKS, state
+from shardpar.api.memory import release_freed_memory
 from shardpar.api.same_model import check_same_model
 from shardpar.api.summary import engine_name, log_owner_compute, log_wrap_summary
 from shardpar.checkpoint.partial import prime_fingerprint
@@ -111,6 +112,7 @@ class DistributedModel(_DistributedModel):
         prime_fingerprint(self)  # the frozen base's CRCs, reused by adapter-only saves ([Note: fingerprint cache])
         install_torch_state_dict()  # torch.distributed.checkpoint.state_dict's functions take it (idempotent)
         log_wrap_summary(self, engine_name(st.engine.name, st.config.ddp_dist_backend))  # rank 0: one INFO record
+        release_freed_memory()  # the full copies the wrap freed ([Note: hand back what the wrap freed])
 
 
 def _has_meta_tensors(module: nn.Module) -> bool:

@@ -261,3 +261,34 @@ def gloo_gather_temp_case(numel: int, chunk_bytes: int) -> dict[str, Any]:
         native_engine.GLOO_GATHER_CHUNK_BYTES = saved
     exact = bool(torch.equal(output, torch.arange(world * numel, dtype=torch.float32)))
     return {"peak": peak, "exact": exact, "output_bytes": output.numel() * 4}
+
+
+class _SmallParamBlock(nn.Module):
+    def __init__(self, count: int, numel: int) -> None:
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(numel)) for _ in range(count))
+
+
+class SmallParamNet(nn.Module):
+    """128 MiB of fp32 in 64 KiB parameters: each below glibc's initial mmap threshold (128 KiB), so
+    the full model lives in the heap, as a 563M GPT-NeoX's weights do once the threshold has risen."""
+
+    def __init__(self, blocks: int = 16, count: int = 128, numel: int = 16384) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_SmallParamBlock(count, numel) for _ in range(blocks))
+
+
+def wrap_release_case() -> dict[str, int]:
+    """RSS (bytes above the RSS before the model was built) with the full model built, and after the
+    wrap at sdp 2 has freed all but this rank's half ([Note: hand back what the wrap freed])."""
+    smp.init({"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0})
+    torch.manual_seed(0)
+    before = _status_kib("VmRSS") * 1024
+    module = SmallParamNet()
+    full = sum(p.numel() * p.element_size() for p in module.parameters())
+    built = _status_kib("VmRSS") * 1024 - before
+    model = smp.DistributedModel(module)
+    kept = _status_kib("VmRSS") * 1024 - before
+    shard = sum(p.local_piece.numel() * p.local_piece.element_size() for p in model.parameters())
+    del model, module
+    return {"full": full, "built": built, "kept": kept, "shard": shard}
