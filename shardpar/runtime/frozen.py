@@ -82,7 +82,7 @@ class FrozenShard:
         self.quantized = mode in frozen_quant.QUANTIZED
         self._packed: torch.Tensor | None = None  # int8 / nf4: this rank's shard, quantized
         self._packed_rows: torch.Tensor | None = None  # what the running gather brings (or the own shard)
-        self._qgathered: torch.Tensor | None = None  # sdp > 1: the gathered quantized bytes' buffer
+        self._qgathered: torch.Tensor | None = None  # sdp > 1, a shard of a few blocks: its gathered bytes
         self._kept = False  # keep_gathered: `_gathered` holds this step's gathered values
         # int8 / nf4 ([Note: quantized base keeps no exact shard]): whether `shard` has storage (the exact
         # values until quantized, or values given back by `hold_values`), its version counter when it
@@ -240,9 +240,15 @@ class FrozenShard:
         if self._packed is None:
             raise AssertionError("a quantized frozen shard is gathered before it was quantized")
         size = self.comm.sharding.size
+        full = self._fill_gathered()
         if size == 1:
             self._packed_rows = self._packed.view(1, -1)
-        else:
+        elif frozen_quant.fits_in_place(self.mode, self.layout.shard_numel, self.compute_dtype):
+            # into the front of the compute-dtype buffer itself ([Note: dequantizing in place])
+            rows = full.view(torch.uint8)[: size * self._packed.numel()]
+            self._work = self.comm.engine.all_gather(rows, self._packed, self.comm.sharding, async_op=True)
+            self._packed_rows = rows.view(size, -1)
+        else:  # a shard of a few blocks: its packed bytes outgrow its values
             numel = size * self._packed.numel()
             buf = self._qgathered
             if buf is None:
@@ -252,7 +258,7 @@ class FrozenShard:
                 buf.untyped_storage().resize_(numel)
             self._work = self.comm.engine.all_gather(buf, self._packed, self.comm.sharding, async_op=True)
             self._packed_rows = buf.view(size, -1)
-        self._full = self._fill_gathered()
+        self._full = full
 
     def finish_gather(self) -> None:
         if self._work is not None:

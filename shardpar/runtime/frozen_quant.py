@@ -97,18 +97,40 @@ def quantize(x: torch.Tensor, mode: str) -> torch.Tensor:
 CHUNK_BLOCKS = 1 << 14
 
 
+def fits_in_place(mode: str, numel: int, out_dtype: torch.dtype) -> bool:
+    """Whether a row's packed bytes fit in the bytes its `numel` dequantized values take, so a gather
+    can land in the front of the output buffer ([Note: dequantizing in place])."""
+    return packed_bytes(mode, numel) <= numel * torch.empty(0, dtype=out_dtype).element_size()
+
+
+# [Note: dequantizing in place]
+# A quantized unit's gather can land in the front of its compute-dtype buffer instead of a buffer of
+# its own: a separate uint8 buffer per gather (13 MB a 563M layer under int8) beside the 25 MB bf16
+# one fragmented glibc's heap so that int8 peaked 0.5 GiB above the bf16 base at 563m. The rows are
+# then dequantized from the last row to the first and, in a row, from its last chunk to its first,
+# with the row's scales copied out before any of its values is written. Row r's values go to bytes
+# [r n e, (r+1) n e) (n values a row, e bytes a value) and its packed bytes sit at [r P, (r+1) P):
+# with P <= n e (fits_in_place) every write lands at or above the bytes still unread -- the earlier
+# rows' packed bytes end at r P <= r n e, and in row r the codes of values [0, x) end at
+# r P + x pb <= r n e + x e (pb <= e bytes of code a value) -- and each chunk reads its codes into a
+# temporary before writing. The same order is exact when packed and out do not overlap.
+
+
 def dequantize_into(out: torch.Tensor, packed: torch.Tensor, mode: str, numel: int) -> None:
     """Rows of packed shards ([rows, packed_bytes] uint8, one a rank) -> `out`, flat, rows * numel values
-    in its dtype: row r's `numel` values at [r * numel, (r + 1) * numel)."""
+    in its dtype: row r's `numel` values at [r * numel, (r + 1) * numel). `packed` may be the front of
+    `out`'s own bytes ([Note: dequantizing in place])."""
     rows = packed.shape[0]
     nblocks, cb = num_blocks(numel), code_bytes(mode, numel)
     per_block = QBLOCK if mode == "int8" else QBLOCK // 2
     target = out.view(rows, numel)
     levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=packed.device) if mode == "nf4" else None
-    for r in range(rows):
-        for lo in range(0, nblocks, CHUNK_BLOCKS):
+    starts = range(0, nblocks, CHUNK_BLOCKS)
+    for r in reversed(range(rows)):
+        row_scales = packed[r, cb : cb + 4 * nblocks].clone().view(torch.float32)  # before row r is written
+        for lo in reversed(starts):
             n = min(CHUNK_BLOCKS, nblocks - lo)
-            scales = packed[r, cb + 4 * lo : cb + 4 * (lo + n)].contiguous().view(torch.float32).view(n, 1)
+            scales = row_scales[lo : lo + n].view(n, 1)
             codes = packed[r, per_block * lo : per_block * (lo + n)]
             if levels is None:
                 values = codes.view(torch.int8).view(n, QBLOCK).to(torch.float32).mul_(scales / 127.0)

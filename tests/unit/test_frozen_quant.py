@@ -92,3 +92,25 @@ def test_dequantize_in_chunks_gives_the_same_values(monkeypatch: pytest.MonkeyPa
         fq.dequantize_into(chunked, packed, mode, x.shape[1])
         monkeypatch.undo()
         assert torch.equal(whole, chunked), mode
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("numel", [64 * 7 + 5, 64 * 40, 64 * 2 + 60])
+def test_dequantizing_rows_gathered_into_the_front_of_the_output_is_exact(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, numel: int
+) -> None:
+    """[Note: dequantizing in place]: the packed rows sit in the front of the output's own bytes (where
+    a gather lands them) and dequantize, in chunks of 3 blocks, to the values a separate buffer gives."""
+    monkeypatch.setattr(fq, "CHUNK_BLOCKS", 3)
+    x = torch.randn(4, numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    for mode in fq.QUANTIZED:
+        packed = torch.stack([fq.quantize(row, mode) for row in x])
+        assert fq.fits_in_place(mode, numel, dtype), (mode, numel)
+        apart = torch.empty(x.numel(), dtype=dtype)
+        fq.dequantize_into(apart, packed, mode, numel)
+        out = torch.full((x.numel(),), float("nan"), dtype=dtype)
+        front = out.view(torch.uint8)[: packed.numel()].view(packed.shape)
+        front.copy_(packed)
+        fq.dequantize_into(out, front, mode, numel)
+        assert torch.equal(out, apart), (mode, numel, dtype)
+    assert not fq.fits_in_place("int8", 5, torch.bfloat16)  # 68 packed bytes against 10 of values
