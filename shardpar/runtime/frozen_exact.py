@@ -55,8 +55,10 @@ def piece_crc(values: torch.Tensor) -> int:
     flat, value = values.detach().reshape(-1), 0
     for lo in range(0, flat.numel(), _CHUNK):
         part = flat[lo : lo + _CHUNK]
-        part = part.float() if part.is_floating_point() else part
-        value = zlib.crc32(part.contiguous().cpu().view(torch.uint8).numpy().data, value)
+        # Always a copy: .numpy() of the live storage would make it non-resizable for good (torch
+        # 2.13), and a quantized base's shard (fp32 too) is resized to 0 once hashed.
+        part = part.to("cpu", torch.float32 if part.is_floating_point() else part.dtype, copy=True)
+        value = zlib.crc32(part.view(torch.uint8).numpy().data, value)
     return value
 
 

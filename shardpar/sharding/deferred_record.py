@@ -233,7 +233,8 @@ def record_digest(tensors: Iterable[torch.Tensor]) -> bytes:
         elif isinstance(x, Const):
             t = x.tensor.detach()
             h.update(repr(("const", tuple(t.shape), t.dtype)).encode())
-            h.update(t.reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            # a copy first: .numpy() of the constant's own storage would make it non-resizable
+            h.update(t.reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy().data)
         elif isinstance(x, GenState):
             h.update(b"generator" + x.state)
         else:

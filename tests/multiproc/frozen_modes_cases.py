@@ -17,12 +17,12 @@ KNOBS = {"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 1
 TARGETS = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 
 
-def neox_lora(rank: int = 8, base_seed: int = 0) -> nn.Module:
+def neox_lora(rank: int = 8, base_seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     from tests import models
 
-    module = models.tiny_neox(base_seed).to(torch.bfloat16)
+    module = models.tiny_neox(base_seed).to(dtype)
     torch.manual_seed(1)  # lora_A's draws
     return get_peft_model(module, LoraConfig(r=rank, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0))
 
@@ -132,16 +132,17 @@ def bytes_case(mode: str, micro: int = 2, cap: int | None = None, threshold: int
     }
 
 
-def finetune_case(modes: list[str], steps: int = 30, lr: float = 2e-3) -> dict[str, list[float]]:
+def finetune_case(modes: list[str], steps: int = 30, lr: float = 2e-3, fp32: bool = False) -> dict[str, list[float]]:
     """PEFT LoRA r 8 on the attention and MLP linears, world 2 x sdp 2, AdamW, `steps` steps on a fixed
     set of 8 sequences (2 a rank a step, cycling): the global mean loss of each step under each mode;
-    "int8@1" is int8 at sdp 1 (2 replicas)."""
+    "int8@1" is int8 at sdp 1 (2 replicas). `fp32`: an fp32 base, trained in fp32."""
     out: dict[str, list[float]] = {}
     data = torch.randint(0, 96, (8, 24), generator=torch.Generator().manual_seed(7))
     for name in modes:
         mode, _, sdp = name.partition("@")
-        smp.init({**KNOBS, "sdp_frozen_base_mode": mode, "sharded_data_parallel_degree": int(sdp or 2)})
-        model = smp.DistributedModel(neox_lora())
+        knobs = {**KNOBS, "bf16": not fp32, "sdp_frozen_base_mode": mode, "sharded_data_parallel_degree": int(sdp or 2)}
+        smp.init(knobs)
+        model = smp.DistributedModel(neox_lora(dtype=torch.float32 if fp32 else torch.bfloat16))
         opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=lr))
         losses = []
         for step in range(steps):

@@ -3,6 +3,8 @@ refusal of bitsandbytes-quantized parameters (issue 33 item 2)."""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from torch import nn
@@ -114,3 +116,15 @@ def test_dequantizing_rows_gathered_into_the_front_of_the_output_is_exact(
         fq.dequantize_into(out, front, mode, numel)
         assert torch.equal(out, apart), (mode, numel, dtype)
     assert not fq.fits_in_place("int8", 5, torch.bfloat16)  # 68 packed bytes against 10 of values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_hashing_a_piece_leaves_its_storage_resizable(dtype: torch.dtype) -> None:
+    """piece_crc hashes a copy: .numpy() of the live storage makes it non-resizable for good, and a
+    quantized base's shard is resized to 0 right after it was hashed (an fp32 base failed to wrap)."""
+    from shardpar.runtime.frozen_exact import piece_crc
+
+    t = (torch.randn(1000) * 100).to(dtype)
+    expected = t[10:500].to(torch.float32 if dtype.is_floating_point else dtype).clone()
+    assert piece_crc(t[10:500]) == zlib.crc32(expected.view(torch.uint8).numpy().tobytes())
+    t.untyped_storage().resize_(0)  # raised "Trying to resize storage that is not resizable"
