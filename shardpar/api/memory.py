@@ -65,7 +65,10 @@ def memory_metrics(*, log: bool = True) -> dict[str, float]:
 # or so); on CUDA the caching allocator's cached blocks go back to the driver. No gc.collect():
 # the freed storages are not held by reference cycles (the same 691 MiB without it), and with
 # transformers imported one collection takes ~0.17 s -- the test suite wraps hundreds of times.
-# Where there is no malloc_trim (musl, macOS) nothing is done on CPU.
+# Where there is no malloc_trim (musl, macOS) nothing is done on CPU. Only a model of RELEASE_MIN_BYTES
+# or more is worth it: a trim gives back pages that the next allocations fault in again, and the test
+# suite's hundreds of small wraps paid for that (pytest +35 s) with nothing to give back.
+RELEASE_MIN_BYTES = 64 << 20
 
 
 @functools.cache
@@ -76,8 +79,11 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-def release_freed_memory() -> None:
-    """Return the memory the wrap freed to the OS / driver ([Note: hand back what the wrap freed])."""
+def release_freed_memory(model_bytes: int) -> None:
+    """Return the memory the wrap of a model of `model_bytes` freed to the OS / driver ([Note: hand back
+    what the wrap freed]); nothing below RELEASE_MIN_BYTES."""
+    if model_bytes < RELEASE_MIN_BYTES:
+        return
     if device().type == "cuda":
         torch.cuda.empty_cache()
     trim = _malloc_trim()

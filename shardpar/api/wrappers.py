@@ -92,6 +92,8 @@ class DistributedModel(_DistributedModel):
         module = prepare_tensor_parallel(
             module, requested=tensor_parallelism, marks=_TP_MARKS, topology=st.topology, engine=st.engine
         )
+        # what the ranks hold before the wrap frees all but their shards (on meta: nothing)
+        held = 0 if _has_meta_tensors(module) else sum(p.numel() * p.element_size() for p in module.parameters())
         super().__init__(
             module.to(st.device) if not _has_meta_tensors(module) else module,
             config=st.config,
@@ -112,7 +114,7 @@ class DistributedModel(_DistributedModel):
         prime_fingerprint(self)  # the frozen base's CRCs, reused by adapter-only saves ([Note: fingerprint cache])
         install_torch_state_dict()  # torch.distributed.checkpoint.state_dict's functions take it (idempotent)
         log_wrap_summary(self, engine_name(st.engine.name, st.config.ddp_dist_backend))  # rank 0: one INFO record
-        release_freed_memory()  # the full copies the wrap freed ([Note: hand back what the wrap freed])
+        release_freed_memory(held)  # the full copies the wrap freed ([Note: hand back what the wrap freed])
 
 
 def _has_meta_tensors(module: nn.Module) -> bool:
