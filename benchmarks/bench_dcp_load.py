@@ -89,6 +89,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--dir", help="checkpoint directory (default: a temporary one, removed after)")
     a = p.parse_args()
+    import dcp_recipe  # benchmarks/, on the path when run as a script
+
     from shardpar.cli.launcher import launch_local
 
     root = a.dir or tempfile.mkdtemp(prefix="bench_dcp_load_")
@@ -103,7 +105,7 @@ def main() -> None:
         f"sdp_param_persistence_threshold {a.threshold}"
     )
     print(f"after the loads, FSDP2's and shardpar's parameters equal: {all(r['same'] for r in res)}")
-    times = {k: [max(r[k][i] for r in res) for i in range(a.rounds)] for k in res[0] if isinstance(res[0][k], list)}
+    times = dcp_recipe.slowest_rank_times(res, a.rounds)
     base = statistics.median(times["fsdp2_own"])
     for key, each in times.items():
         med = statistics.median(each)

@@ -88,6 +88,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     a = p.parse_args()
+    import dcp_recipe  # benchmarks/, on the path when run as a script
+
     from shardpar.cli.launcher import launch_local
 
     root = tempfile.mkdtemp(prefix="bench_dcp_owned_")
@@ -102,7 +104,7 @@ def main() -> None:
         f"sharded; Muon steps {res[0]['owned']} matrices on owners; load average {os.getloadavg()[0]:.0f}"
     )
     print(f"DCP checkpoint bytes: adamw {sizes['adamw'] / 2**20:.1f} MiB, muon {sizes['muon'] / 2**20:.1f} MiB")
-    times = {k: [max(r[k][i] for r in res) for i in range(a.rounds)] for k in res[0] if isinstance(res[0][k], list)}
+    times = dcp_recipe.slowest_rank_times(res, a.rounds)
     for what in ("save", "load", "full"):
         base = statistics.median(times[f"{what} adamw"])
         for name in ("adamw", "muon"):

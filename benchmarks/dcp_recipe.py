@@ -36,3 +36,9 @@ def timed(fn: Callable[[], Any]) -> float:
     fn()
     dist.barrier()
     return time.perf_counter() - t0
+
+
+def slowest_rank_times(results: list[dict[str, Any]], rounds: int) -> dict[str, list[float]]:
+    """Per timed key (a rank's list of per-round seconds), the slowest rank's time of each round."""
+    timed_keys = [k for k, v in results[0].items() if isinstance(v, list)]
+    return {k: [max(r[k][i] for r in results) for i in range(rounds)] for k in timed_keys}

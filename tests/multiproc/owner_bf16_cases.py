@@ -59,13 +59,7 @@ def owner_parity_bf16(kind: str, model_name: str, knobs: dict[str, Any], steps: 
         loss_diff, clipped = 0.0, False
         for step in range(steps):
             full = [make_batch(1000 * step + micro, per_rank * size) for micro in range(accum)]
-            mine = []
-            for batch in full:
-                loss = parity._loss(model, rdp_slice(batch))
-                model.backward(loss / accum)
-                mine.append(loss.item())
-            opt.step()
-            opt.zero_grad()
+            mine = owner_cases.train_step(model, opt, full, accum)
             _refresh(ref16, ref)
             grads = [torch.zeros_like(p) for p in ref.parameters()]
             ref_total = 0.0

@@ -73,6 +73,18 @@ class _Both:
             o.zero_grad()
 
 
+def train_step(model: Any, opt: Any, full: list[Any], accum: int) -> list[float]:
+    """One shardpar step over the micro-batches `full` (this rank's slice of each): their losses."""
+    mine = []
+    for batch in full:
+        loss = parity._loss(model, rdp_slice(batch))
+        model.backward(loss / accum)
+        mine.append(loss.item())
+    opt.step()
+    opt.zero_grad()
+    return mine
+
+
 def owner_parity(
     kind: str, model_name: str, knobs: dict[str, Any], *, tp: bool = False, steps: int = 5, accum: int = 2
 ) -> dict[str, Any]:
@@ -97,13 +109,7 @@ def owner_parity(
         loss_diff, clipped = 0.0, False
         for step in range(steps):
             full = [make_batch(1000 * step + micro, per_rank * smp.rdp_size()) for micro in range(accum)]
-            mine = []
-            for batch in full:
-                loss = parity._loss(model, rdp_slice(batch))
-                model.backward(loss / accum)
-                mine.append(loss.item())
-            opt.step()
-            opt.zero_grad()
+            mine = train_step(model, opt, full, accum)
             ref_total = 0.0
             for batch in full:
                 ref_loss = parity._loss(ref, batch)
