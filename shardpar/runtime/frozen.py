@@ -80,6 +80,8 @@ class FrozenShard:
         self._work: Work | None = None
         self.mode = mode
         self.quantized = mode in frozen_quant.QUANTIZED
+        # sdp > 1: whether a gather lands in the compute-dtype buffer itself ([Note: dequantizing in place])
+        self._gathers_in_place = self.quantized and frozen_quant.fits_in_place(mode, layout.shard_numel, compute_dtype)
         self._packed: torch.Tensor | None = None  # int8 / nf4: this rank's shard, quantized
         self._packed_rows: torch.Tensor | None = None  # what the running gather brings (or the own shard)
         self._qgathered: torch.Tensor | None = None  # sdp > 1, a shard of a few blocks: its gathered bytes
@@ -243,8 +245,7 @@ class FrozenShard:
         full = self._fill_gathered()
         if size == 1:
             self._packed_rows = self._packed.view(1, -1)
-        elif frozen_quant.fits_in_place(self.mode, self.layout.shard_numel, self.compute_dtype):
-            # into the front of the compute-dtype buffer itself ([Note: dequantizing in place])
+        elif self._gathers_in_place:
             rows = full.view(torch.uint8)[: size * self._packed.numel()]
             self._work = self.comm.engine.all_gather(rows, self._packed, self.comm.sharding, async_op=True)
             self._packed_rows = rows.view(size, -1)

@@ -100,7 +100,7 @@ CHUNK_BLOCKS = 1 << 14
 def fits_in_place(mode: str, numel: int, out_dtype: torch.dtype) -> bool:
     """Whether a row's packed bytes fit in the bytes its `numel` dequantized values take, so a gather
     can land in the front of the output buffer ([Note: dequantizing in place])."""
-    return packed_bytes(mode, numel) <= numel * torch.empty(0, dtype=out_dtype).element_size()
+    return packed_bytes(mode, numel) <= numel * out_dtype.itemsize
 
 
 # [Note: dequantizing in place]
