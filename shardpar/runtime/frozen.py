@@ -31,7 +31,8 @@ How the frozen shard is gathered is `sdp_frozen_base_mode` (issue 33 item 2):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -192,6 +193,18 @@ class FrozenShard:
             self.shard.untyped_storage().resize_(0)
             self._held = False
 
+    @contextlib.contextmanager
+    def values_read(self) -> Iterator[None]:
+        """`read_values` for the block: values given back for it are dropped again after it (on an
+        exception too); a shard that already held its values keeps them."""
+        given = not self._held
+        self.read_values()
+        try:
+            yield
+        finally:
+            if given:
+                self.release_read()
+
     @property
     def holds_values(self) -> bool:
         """Whether `shard` has its values now (always, but under int8 / nf4 between a read and a refresh)."""
@@ -320,12 +333,9 @@ class FrozenShard:
     def gather_values(self) -> torch.Tensor:
         """The full flat values, padded, in the parameters' dtype (one AllGather); under int8 / nf4 the
         dequantized ones, given back for the gather only (a warning, once)."""
-        held = self._held
-        self.read_values()
         full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        self.comm.engine.all_gather(full, self.shard, self.comm.sharding)
-        if not held:
-            self.release_read()
+        with self.values_read():
+            self.comm.engine.all_gather(full, self.shard, self.comm.sharding)
         return full
 
     def load_full(self, values: dict[str, torch.Tensor]) -> None:

@@ -16,6 +16,7 @@ replica_shard.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -276,13 +277,10 @@ class ShardedState:
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's piece of every parameter (1-D when sharded), cloned; a quantized frozen base's
         dequantized (frozen_exact.py)."""
-        given = [f for f in self._quantized_shards() if not f.holds_values]
-        for frozen in given:
-            frozen.read_values()
-        out = {p.fqn: self.main(p).detach().clone() for p in self.pieces}
-        for frozen in given:
-            frozen.release_read()
-        return out
+        with contextlib.ExitStack() as reads:
+            for frozen in self._quantized_shards():
+                reads.enter_context(frozen.values_read())
+            return {p.fqn: self.main(p).detach().clone() for p in self.pieces}
 
     def load_local_state_dict(self, values: Mapping[str, torch.Tensor]) -> None:
         """Take back `local_state_dict()` of this rank under the same topology; every check runs before
