@@ -17,7 +17,10 @@
 #     "rank 2 failed first: <reason>" on top of its own error, which stays the cause.
 #
 # A rank killed outright posts nothing; the first survivor that notices (the shm transport's liveness
-# check, or a dead pid among the group's members on this host) posts it. Every store operation is
+# check, or a dead pid among the group's members on this host) posts it. The transport can report the
+# dead rank's closed connection before its pid looks gone to a peer (under load, 2-5 runs in 60 of
+# tests/multiproc/test_culprits.py's killed case): a survivor that names nobody at once keeps looking
+# at its group's pids, on every poll of its wait for another rank's post. Every store operation is
 # bounded: the store may have died with its host rank, and then a survivor says what it knows itself.
 """
 
@@ -214,14 +217,11 @@ def culprit_message(
         if missing:
             culprit = missing[0]
             reason = f"it never reached a collective that its peers timed out waiting in ({local})"
-    if culprit is None:
-        dead = board.dead_members(ranks)
-        if dead:
-            culprit, reason = dead[0], f"its process is gone ({local})"
     if culprit is not None:
         board.post(culprit, reason)
-    # Nothing known here: another rank (the one that saw the failure first) may still be posting it.
-    first = board.first(0.0 if culprit is not None else 2 * SETTLE_S)
+        first = board.first()
+    else:
+        culprit, reason, first = _watch_for_a_culprit(board, ranks, local)
     if first is None and culprit is not None:  # the store went away (with its host rank)
         return f"rank {culprit} failed first, as far as rank {board.rank} can tell (no store): {reason}", culprit
     if first is None:
@@ -232,6 +232,26 @@ def culprit_message(
         f"{local}; rank {first.rank} failed first: {first.reason} (reported by rank {first.reporter})",
         first.rank,
     )
+
+
+def _watch_for_a_culprit(
+    board: FailureBoard, ranks: Sequence[int], local: str
+) -> tuple[int | None, str, Failure | None]:
+    """Nothing named here yet: wait (2 x SETTLE_S at most) for a member of `ranks` on this host to be
+    gone, which this rank then posts, or for another rank's post (the one that saw the failure first
+    may still be writing it). Both are looked at on every poll: a member whose connection closed may
+    not look gone at the first look (see the Note)."""
+    deadline = time.monotonic() + 2 * SETTLE_S
+    while True:
+        dead = board.dead_members(ranks)
+        if dead:
+            reason = f"its process is gone ({local})"
+            board.post(dead[0], reason)
+            return dead[0], reason, board.first()
+        first = board.first()
+        if first is not None or time.monotonic() >= deadline:
+            return None, local, first
+        time.sleep(_POLL_S)
 
 
 _HOOKED: list[FailureBoard] = []

@@ -158,3 +158,22 @@ def test_an_uncaught_exception_posts_its_rank_or_the_culprit_it_names(store: dis
     sys.excepthook(type(named), named, None)
     first = board.first()
     assert first is not None and first.rank == 2
+
+
+def test_a_member_whose_pid_goes_only_after_the_error_is_still_named(
+    store: dist.Store, monkeypatch: pytest.MonkeyPatch, clock: _Clock
+) -> None:
+    # Rank 1's connection closed, but its pid still looks alive at the first look: the board keeps
+    # looking (with the wait for another rank's post) instead of giving up on the dead-member check.
+    looks = []
+
+    def alive(pid: int) -> bool:
+        looks.append(pid)
+        return len(looks) <= 3
+
+    FailureBoard(store, 1)  # posts this process's pid as rank 1's
+    monkeypatch.setattr(failures, "pid_alive", alive)
+    local = "native all_reduce on test group [0, 1] failed: Connection closed by peer [127.0.0.1]:1234"
+    message, culprit = culprit_message(FailureBoard(store, 0), local, ranks=(0, 1), culprit=None, timed_out=False)
+    assert culprit == 1 and message == f"rank 1 failed first: its process is gone ({local})", message
+    assert len(looks) == 4 and clock.sleeps == 3
