@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import io
 import json
 import mmap
 import os
@@ -188,8 +189,9 @@ def write(
     """Write this rank's snapshot of `step` (local, no collective); the file written."""
     rank = model.topology.rank
     directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob(f".rank{rank:05d}.tmp-*"):  # a write a killed process left
-        stale.unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):  # a peer's remove_rank took the directory (see _create)
+        for stale in directory.glob(f".rank{rank:05d}.tmp-*"):  # a write a killed process left
+            stale.unlink(missing_ok=True)
     content = ix.encode(user_content, where="snapshot user_content")  # before anything is deleted
     tensors, meta = collect(model, optimizer)
     target = file_of(directory, rank, _older_slot(directory, rank))
@@ -198,7 +200,7 @@ def write(
     table: dict[str, list[Any]] = {}
     crc, offset = 0, 0
     try:
-        with open(tmp, "wb") as f:
+        with _create(tmp) as f:
             for key, t in tensors.items():
                 data = _bytes_of(t)
                 for lo in range(0, len(data), _CHUNK):
@@ -227,6 +229,20 @@ def write(
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def _create(path: Path) -> io.BufferedWriter:
+    """Open `path` for writing, making its directory again if it went. A peer that finishes (smp.shutdown)
+    removes the directory once no rank's file is in it: before this rank's first snapshot file exists
+    the directory may be empty, and go between the mkdir above and this open. Once the file is open
+    the directory is not empty, so no peer's rmdir succeeds."""
+    for _ in range(3):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return open(path, "wb")
+        except FileNotFoundError:
+            continue
+    return open(path, "wb")  # a third removal in a row is no race: let its error through
 
 
 def _older_slot(directory: Path, rank: int) -> int:

@@ -139,3 +139,27 @@ def test_removing_a_rank_tolerates_another_rank_removing_the_directory(tmp_path:
         mp.setattr(Path, "_scandir", peer_rmdir_then_scandir)
         snapshot.remove_rank(directory, 0)
     assert not directory.exists()
+
+
+def test_a_first_snapshot_survives_a_peer_removing_the_empty_directory(
+    shm_world, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    # A peer finishing (smp.shutdown) removes the snapshot directory once no rank's file is in it; before
+    # this rank's first file exists it is empty, and may go between write's mkdir and its open.
+    _, _, tmp = shm_world
+    collect = snapshot.collect
+    removed: list[Path] = []
+
+    def collect_then_peer_rmdir(model, optimizer):  # type: ignore[no-untyped-def]
+        out = collect(model, optimizer)
+        (directory,) = (tmp / "shm").iterdir()
+        directory.rmdir()  # empty: this rank has written nothing yet
+        removed.append(directory)
+        return out
+
+    monkeypatch.setattr(snapshot, "collect", collect_then_peer_rmdir)
+    written = smp.save_snapshot(tmp / "ckpt", 2, {"step": 2})
+    assert removed and written is not None and Path(written).parent == removed[0]
+    trailer = snapshot.read_trailer(Path(written))
+    assert trailer is not None and trailer["step"] == 2
+    snapshot.read_payload(Path(written), trailer)
