@@ -9,7 +9,7 @@ and the way the runtime holds each kind of tensor:
                              (runtime/frozen_exact.py), so a quantized mode cuts stored and gathered bytes
     small frozen tensors     (the base's biases and layer norms) sharded with their unit's frozen
                              shard whatever their size: only trained parameters persist
-                             (DistributedModel._split_persistent). Under int8 / nf4 the 1-D ones are not
+                             (model_build.split_persistent). Under int8 / nf4 the 1-D ones are not
                              quantized (as in QLoRA): whole on every rank, fp32 main, compute copy, grad
                              (a GPT-NeoX block's 9 x hidden + MLP width); small matrices are quantized
     persistent tensors       (adapters under sdp_param_persistence_threshold) whole on every rank: fp32

@@ -33,8 +33,8 @@ What still needs the exact base is handled here:
     as a full checkpoint of this run gives back, keep their checksum and codes: the model is the same).
 
 The small frozen 1-D tensors (under sdp_param_persistence_threshold: biases, layer norms) are not in
-the frozen shard under int8 / nf4: they persist whole and unquantized, as in QLoRA (model.py's
-_split_persistent), so their values, state dict entries and checksums are exact as in every mode. A small
+the frozen shard under int8 / nf4: they persist whole and unquantized, as in QLoRA (model_build.py's
+split_persistent), so their values, state dict entries and checksums are exact as in every mode. A small
 frozen matrix goes into the quantized shard like a large one.
 """
 

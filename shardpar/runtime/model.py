@@ -1,11 +1,12 @@
 """DistributedModel: MiCS sharding of an unchanged nn.Module through hooks.
 
 It builds the pieces and keeps the nn.Module surface: the units (unit.py) with their shards, the
-persistent parameters, the Scheduler that alone gathers and frees units (schedule.py), the bucketed
-reducer (reducer.py), the accumulation window (window.py), and the hooks that drive them (hooks.py,
-where the forward/backward sequence is pictured). Two mixins in its bases carry the rest of its surface:
-state_dict / load_state_dict (model_state_dict.py), SMP v1's names (model_v1.py) and FSDP2's
-unshard / reshard (model_fsdp2.py).
+persistent parameters (model_build.py builds the units and picks which parameters persist), the
+Scheduler that alone gathers and frees units (schedule.py), the bucketed reducer (reducer.py), the
+accumulation window (window.py), and the hooks that drive them (hooks.py, where the forward/backward
+sequence is pictured). Three mixins in its bases carry the rest of its surface: state_dict /
+load_state_dict (model_state_dict.py), SMP v1's names (model_v1.py) and FSDP2's unshard / reshard
+(model_fsdp2.py).
 """
 
 from __future__ import annotations
@@ -18,20 +19,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardpar.collectives import Engine, Group
+from shardpar.collectives import Engine
 from shardpar.collectives.entry import EntryCheck
 from shardpar.config import Config
 from shardpar.precision import DtypePolicy
 from shardpar.runtime.boundary_cast import call_in_compute_dtype
 from shardpar.runtime.buffers import BufferSync
-from shardpar.runtime.frozen import FrozenShard
 from shardpar.runtime.frozen_modes import refuse_bitsandbytes, settle_frozen_mode
-from shardpar.runtime.frozen_quant import QUANTIZED
 from shardpar.runtime.full_views import FullStateDictHooks, wrap_save_pretrained
 from shardpar.runtime.holds import UnitState
 from shardpar.runtime.hooks import ModelHooks
 from shardpar.runtime.initial_values import InitialValues
 from shardpar.runtime.materialize import Materializer, check_nothing_materialised, module_device, refuse_nested
+from shardpar.runtime.model_build import Registered, build_units, link_dependencies, split_persistent, two_hop_reduce
 from shardpar.runtime.model_fsdp2 import FSDP2Mixin
 from shardpar.runtime.model_state_dict import StateDictMixin
 from shardpar.runtime.model_v1 import V1Mixin
@@ -42,17 +42,11 @@ from shardpar.runtime.schedule import LiveCounter, Scheduler
 from shardpar.runtime.sharded_tensor import ShardComm
 from shardpar.runtime.state import ShardedState
 from shardpar.runtime.state_dict import TPLayout, persistent_buffers
-from shardpar.runtime.two_hop import TwoHopReduce
-from shardpar.runtime.unit import Unit
-from shardpar.runtime.unit_comm import UnitComm
 from shardpar.runtime.user_params import UserParams
 from shardpar.runtime.window import AccumulationWindow
-from shardpar.sharding.layout import flat_layout
-from shardpar.sharding.plan import UnitPlan, WrapPolicy, plan_units
+from shardpar.sharding.plan import WrapPolicy, plan_units
 from shardpar.sharding.tp_split import TPSplit
 from shardpar.topology import Topology
-
-_Registered = dict[int, list[nn.Parameter]]
 
 
 class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
@@ -67,7 +61,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         engine: Engine,
         backward_passes_per_step: int = 1,
         wrap: WrapPolicy = None,
-        registered: _Registered | None = None,
+        registered: Registered | None = None,
         device: torch.device | None = None,
         premade: Collection[nn.Parameter] = (),
         average_grads_across_microbatches: bool = True,
@@ -105,7 +99,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         plans = plan_units(module, wrap)
         # rank 0's values, unit by unit ([Note: rank 0's initial values])
         values = InitialValues.for_model(module, plans, materialize, topology, engine, tp_splits, self.device)
-        persistent, unit_of_persistent = self._split_persistent(plans)
+        persistent, unit_of_persistent = split_persistent(plans, config)
         for i in sorted(set(unit_of_persistent.values())):
             values.take_real(p for _, p in persistent if unit_of_persistent[id(p)] == i)
         self.persistent = PersistentParams(
@@ -121,7 +115,17 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         # shard_optimizer_state ([Note: replica-sharded main], replica_shard.py): each unit's strategy
         # ([Note: the replica strategy]); NoReplicas when off or one replica
         self.replicas = replica_comm(config.shard_optimizer_state, topology, engine)
-        self.units = self._build_units(plans, values)
+        self.units = build_units(
+            plans,
+            values,
+            config=config,
+            topology=topology,
+            engine=engine,
+            policy=self.policy,
+            device=self.device,
+            replicas=self.replicas,
+            live=self.live,
+        )
         settle_frozen_mode(self.units, config, topology, engine, self.device)  # frozen_modes.py
         self.scheduler = Scheduler(self.units, cap=config.sdp_max_live_parameters, live=self.live)
         self.reducer = GradReducer(
@@ -131,7 +135,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
             self.policy.reduce,
             self.device,
             plan_buckets(self.units, config.sdp_reduce_bucket_size),
-            two_hop=self._two_hop_reduce(config),
+            two_hop=two_hop_reduce(config, topology, engine, self.policy, self.device),
         )
         self.sharded_state = ShardedState(
             self.units, self.persistent, engine=engine, topology=topology, device=self.device
@@ -139,7 +143,7 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         self._unit_of_param = {
             id(p): u for u in self.units for p in [*u.params, *(u.frozen.params if u.frozen else [])]
         }
-        self._link_dependencies(plans, registered or {})
+        link_dependencies(self.units, plans, registered or {}, self._unit_of_param)
         window = self.window
         self.user_params = UserParams(
             module,
@@ -190,128 +194,6 @@ class DistributedModel(StateDictMixin, V1Mixin, FSDP2Mixin, nn.Module):
         """Around a call that gathers from every rank: every rank checks in first, so a call made on some
         ranks only raises there, naming `name` and `fix` ([Note: collective entry])."""
         return self._entry.call(name, fix) if self._entry is not None else nullcontext()
-
-    # ---- construction -------------------------------------------------------------------------
-
-    def _split_persistent(self, plans: list[UnitPlan]) -> tuple[list[tuple[str, nn.Parameter]], dict[int, int]]:
-        """Take the persistent parameters out of the unit plans: (name, param) pairs, and the index of
-        the unit each came from (its modules hold it, runtime/user_params.py).
-
-        Only trained parameters persist. A persistent parameter costs an fp32 main copy, a compute copy
-        and an fp32 main grad on every rank, which is what a trained one needs to skip its gathers; a
-        frozen one needs none of them, so however small it is sharded with its unit's frozen shard in its
-        own dtype (runtime/frozen.py) and gathered with it. At 168M under LoRA the frozen tensors under
-        the default threshold were 7.2M elements, 69 MiB a rank kept whole (issue 33).
-
-        Except under sdp_frozen_base_mode 'int8' / 'nf4': the frozen shard is quantized, and QLoRA
-        (bitsandbytes) quantizes the linear weights only; biases and layer norms stay in full precision,
-        so there the small frozen 1-D tensors persist as before. A small frozen matrix (GPT-NeoX 168m's
-        768 x 768 `dense` weights are under the default threshold) is a linear weight QLoRA quantizes:
-        it goes into the quantized shard (kept whole it would cost 10 bytes a value, not 1.06)."""
-        threshold = self.shardpar_config.sdp_param_persistence_threshold
-        quantized = self.shardpar_config.sdp_frozen_base_mode in QUANTIZED
-        persistent: list[tuple[str, nn.Parameter]] = []
-        unit_of: dict[int, int] = {}
-        for i, up in enumerate(plans):
-            keep = [
-                (n, p)
-                for n, p in up.params
-                if p.numel() < threshold and (p.requires_grad or (quantized and p.dim() < 2))
-            ]
-            kept = {id(p) for _, p in keep}
-            persistent.extend(keep)
-            unit_of.update((id(p), i) for _, p in keep)
-            up.params = [(n, p) for n, p in up.params if id(p) not in kept]
-        return persistent, unit_of
-
-    def _hierarchical(self, knob: bool, node: Group, cross: Group) -> bool:
-        """Whether a collective over the sharding group runs in a node hop and a cross hop: its knob is on
-        and the group has members on several nodes, more than one on each (with one a node, the flat
-        collective is the cross hop already)."""
-        return knob and self.topology.plan.spans_nodes and node.size > 1 and cross.size > 1
-
-    def _two_hop_reduce(self, config: Config) -> TwoHopReduce | None:
-        """The two-hop ReduceScatter when the sharding group spans nodes ([Note: two-hop ReduceScatter])."""
-        node, cross = self.topology.groups["sharding_node_reduce"], self.topology.groups["sharding_cross"]
-        if not self._hierarchical(config.sdp_hierarchical_reduce_scatter, node, cross):
-            return None
-        return TwoHopReduce(
-            self.engine,
-            node,
-            cross,
-            self.policy.reduce,
-            self.device,
-            defer=config.sdp_defer_cross_node_reduce,
-            quantize=config.sdp_quantize_cross_node_gradients,
-        )
-
-    def _build_units(self, plans: list[UnitPlan], values: InitialValues) -> list[Unit]:
-        node, cross = self.topology.groups["sharding_node"], self.topology.groups["sharding_cross"]
-        hierarchical = self._hierarchical(self.shardpar_config.sdp_hierarchical_allgather, node, cross)
-        comm = UnitComm(
-            engine=self.engine,
-            sharding=self.topology.sharding,
-            replication=self.topology.replication,
-            shard_index=self.topology.coords.sdp_rank,
-            node=node if hierarchical else None,
-            cross=cross if hierarchical else None,
-            on_live_change=self.live,
-            secondary=self.shardpar_config.sdp_node_secondary_shard,
-            quantize=self.shardpar_config.sdp_quantize_cross_node_weights,
-        )
-        units: list[Unit] = []
-        # the model's frozen shards warn once of a dequantized read (frozen_exact.py), on rank 0: the
-        # other ranks count as told already
-        warned: set[str] = set() if self.topology.rank == 0 else {"int8", "nf4"}
-        for up in plans:
-            # Units without sharded parameters are kept (they communicate nothing): their hooks still
-            # hold the parameters they borrow (smp.register_parameter) and mark the start of backward.
-            align = self.replicas.align  # each shard splits over the replicas
-            trained = [(n, p) for n, p in up.params if p.requires_grad]
-            layout = flat_layout([(n, tuple(p.shape)) for n, p in trained], comm.sharding.size, align=align)
-            # Frozen at wrap time: their own shard, in their dtype ([Note: frozen shards], frozen.py)
-            frozen = [(n, p) for n, p in up.params if not p.requires_grad]
-            name = up.name or "<root>"
-            frozen_shard = None
-            if frozen:
-                frozen_layout = flat_layout([(n, tuple(p.shape)) for n, p in frozen], comm.sharding.size)
-                frozen_shard = FrozenShard(
-                    name,
-                    [p for _, p in frozen],
-                    frozen_layout,
-                    comm,
-                    compute_dtype=self.policy.compute,
-                    device=self.device,
-                    mode=self.shardpar_config.sdp_frozen_base_mode,
-                    warned=warned,
-                )
-            unit = Unit(
-                len(units),
-                name,
-                up.module,
-                [p for _, p in trained],
-                layout,
-                comm,
-                policy=self.policy,
-                device=self.device,
-                frozen=frozen_shard,
-            )
-            values.take_real(p for _, p in up.params)
-            unit.take_shards_from_params(values, every_param=values.collective)
-            unit.replicas = self.replicas.strategy(unit)  # now: one unit's fp32 shard at a time beside the pieces
-            units.append(unit)
-        return units
-
-    def _link_dependencies(self, plans: list[UnitPlan], registered: _Registered) -> None:
-        by_module = {id(u.module): u for u in self.units}
-        for up in plans:
-            user = by_module.get(id(up.module))
-            borrowed = list(up.borrowed) + [p for m in up.module.modules() for p in registered.get(id(m), [])]
-            for p in borrowed:
-                owner = self._unit_of_param.get(id(p))
-                if owner is None or user is None or owner is user or owner in user.deps:
-                    continue
-                user.deps.append(owner)
 
     def _agree_on_unused_params(self) -> None:
         """[Note: unused params]
