@@ -11,30 +11,28 @@ any process group exists:
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
 import math
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardpar.config_v1 import ALIASES, NO_EFFECT, split_v1_keys
+from shardpar.config_sources import (
+    ACCEPTED_ONLY,
+    SMDDP_BUFFER_ALIGN,
+    env_layers,
+    read_file,
+    real_names,
+    smddp_env,
+    unknown_key_message,
+    unwrap_sagemaker,
+)
+from shardpar.config_v1 import split_v1_keys
 
 ENGINE_CHOICES = ("auto", "nccl", "smddp")
 # How the parameters frozen at wrap time are held and gathered (runtime/frozen.py; issue 33 item 2).
 FROZEN_BASE_MODES = ("gather", "keep_gathered", "int8", "nf4")
-SMDDP_BUFFER_ALIGN = 8192
-
-# Keys a SageMaker smp_options dict carries that mean nothing here but must not be rejected:
-# "ddp" must be True under sharded data parallelism (there is no other mode); v1's other names of
-# knobs (partitions, fp16_params) and its keys that change nothing here are in config_v1.py.
-_ALIASES = ALIASES
-_ACCEPTED_ONLY = {"ddp": True}
-
-_ENV_PREFIX = "SHARDPAR_"
 
 
 def _knob(
@@ -166,7 +164,7 @@ class Config:
         if source is None:
             script: Mapping[str, Any] = {}
         elif isinstance(source, (str, os.PathLike)):
-            script = _read_file(Path(source))
+            script = read_file(Path(source))
         elif isinstance(source, Mapping):
             script = source
         else:
@@ -174,7 +172,7 @@ class Config:
                 f"config must be a dict, a JSON/TOML file path or None (environment), got {type(source).__name__}"
             )
         env = os.environ if env is None else env
-        return cls._from_layers([("the script's config", script), *_env_layers(env)], env=env)
+        return cls._from_layers([("the script's config", script), *env_layers(env, _knob_names())], env=env)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -195,7 +193,7 @@ class Config:
         origin: dict[str, str] = {}
         overrides: list[str] = []
         for where, raw in layers:
-            for key, value in _real_names(_unwrap_sagemaker(raw)).items():
+            for key, value in real_names(unwrap_sagemaker(raw)).items():
                 if key in merged and merged[key] != value:
                     overrides.append(f"{key}={value!r} from {where} replaces {merged[key]!r} from {origin[key]}")
                 merged[key], origin[key] = value, where
@@ -204,16 +202,16 @@ class Config:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> Config:
         """One flat or SageMaker-form dict of knobs, no environment (but the SMDDP_* buffer sizes)."""
-        params, notes = split_v1_keys(_real_names(_unwrap_sagemaker(raw)))
-        kwargs: dict[str, Any] = {**_smddp_env(os.environ if env is None else env), "v1_notes": notes}
-        names = {f.name for f in _knob_fields()}
+        params, notes = split_v1_keys(real_names(unwrap_sagemaker(raw)))
+        kwargs: dict[str, Any] = {**smddp_env(os.environ if env is None else env), "v1_notes": notes}
+        names = _knob_names()
         for key, value in params.items():
-            if key in _ACCEPTED_ONLY:
-                if value != _ACCEPTED_ONLY[key]:
+            if key in ACCEPTED_ONLY:
+                if value != ACCEPTED_ONLY[key]:
                     raise ValueError(f"{key}={value!r} is not supported: shardpar always runs with {key}=True")
                 continue
             if key not in names:
-                raise ValueError(_unknown_key_message(key, names))
+                raise ValueError(unknown_key_message(key, names))
             kwargs[key] = value
         return cls(**kwargs)
 
@@ -312,120 +310,6 @@ def _divisors(n: int) -> str:
     return ", ".join(map(str, divs))
 
 
-def _unwrap_sagemaker(raw: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Accept {"enabled": True, "parameters": {...}} as well as a flat dict."""
-    if "parameters" in raw and set(raw) <= {"enabled", "parameters"}:
-        if raw.get("enabled", True) is not True:
-            raise ValueError(f"enabled={raw['enabled']!r}: shardpar needs 'enabled': True (or a flat dict)")
-        params = raw["parameters"]
-        if not isinstance(params, Mapping):
-            raise TypeError(f"'parameters' must be a dict of knobs, got {type(params).__name__}")
-        return params
-    return raw
-
-
-def _real_names(params: Mapping[str, Any]) -> dict[str, Any]:
-    """v1's names of knobs (partitions, fp16_params) replaced by the knobs' own; both given must agree."""
-    out: dict[str, Any] = {}
-    for key, value in params.items():
-        real = _ALIASES.get(key)
-        if real is not None and real in params and params[real] != value:
-            raise ValueError(
-                f"{key}={value!r} and {real}={params[real]!r} disagree ({key} is the SageMaker v1 name of "
-                f"{real}); give one of them"
-            )
-        out[real or key] = value
-    return out
-
-
-# SHARDPAR_* variables that are not knobs: the config file, the shm transport's kernel choice, and the
-# test suite's own (SHARDPAR_TEST_*). Any other SHARDPAR_<NAME> must name a knob (a typo is an error).
-_NOT_KNOBS = ("SHARDPAR_CONFIG", "SHARDPAR_SHM_ISA")
-_NOT_KNOB_PREFIX = "SHARDPAR_TEST_"
-
-
-def _env_layers(env: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
-    """The environment's sources of knobs, lowest first ([Note: config precedence])."""
-    layers: list[tuple[str, dict[str, Any]]] = []
-    if "SM_HP_MP_PARAMETERS" in env:
-        where = "the environment variable SM_HP_MP_PARAMETERS"
-        layers.append(("SM_HP_MP_PARAMETERS", _parse_json(env["SM_HP_MP_PARAMETERS"], where)))
-    if "SHARDPAR_CONFIG" in env:
-        text = env["SHARDPAR_CONFIG"].strip()
-        where = "the environment variable SHARDPAR_CONFIG"
-        layers.append(("SHARDPAR_CONFIG", _parse_json(text, where) if text.startswith("{") else _read_file(Path(text))))
-    names = {f.name for f in _knob_fields()}
-    for key, value in sorted(env.items()):
-        if not key.startswith(_ENV_PREFIX) or key in _NOT_KNOBS or key.startswith(_NOT_KNOB_PREFIX):
-            continue
-        knob = key[len(_ENV_PREFIX) :].lower()
-        if knob not in names:
-            raise ValueError(f"environment variable {key}: " + _unknown_key_message(knob, names))
-        layers.append((key, {knob: _parse_env_value(value)}))
-    return layers
-
-
-def _unknown_key_message(key: str, names: set[str]) -> str:
-    known = sorted(names | set(_ALIASES) | set(_ACCEPTED_ONLY) | set(NO_EFFECT) | {"placement_strategy", "horovod"})
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; known knobs: {', '.join(known)}"
-    return f"unknown config key {key!r}{hint}"
-
-
-def _parse_json(text: str, where: str) -> dict[str, Any]:
-    example = "'{\"sharded_data_parallel_degree\": 2}'"
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where} is not valid JSON ({exc}); e.g. {example}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{where} must hold a JSON object of knobs, not {type(data).__name__}; e.g. {example}")
-    return data
-
-
-def _read_file(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist; pass a dict or an existing .json/.toml path")
-    text = path.read_text()
-    if path.suffix == ".toml":
-        try:
-            data: Any = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
-    elif path.suffix == ".json":
-        data = _parse_json(text, f"config file {str(path)!r}")
-    else:
-        raise ValueError(f"config file {str(path)!r}: unknown extension {path.suffix!r}; use .json or .toml")
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a table/object of knobs")
-    return data
-
-
-def _parse_env_value(text: str) -> Any:
-    lowered = text.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def _smddp_env(env: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name in ("smddp_ag_scratch_buffer_size_bytes", "smddp_ag_sort_buffer_size_bytes"):
-        text = env.get(name.upper())
-        if text is not None:
-            try:
-                out[name] = int(text)
-            except ValueError:
-                raise ValueError(
-                    f"{name.upper()}={text!r} is not an integer; give a byte count that is a multiple of "
-                    f"{SMDDP_BUFFER_ALIGN}, e.g. {16 * 1024 * 1024}"
-                ) from None
-    return out
-
-
 def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
     """Check the type of one knob (ints may be given as integral floats, like 5e8) and its bounds."""
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
@@ -463,6 +347,10 @@ def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
 def describe_knobs() -> list[tuple[str, Any, str]]:
     """(name, default, doc) of every knob, for the CLI and the docs."""
     return [(f.name, f.default, f.metadata["doc"]) for f in _knob_fields()]
+
+
+def _knob_names() -> set[str]:
+    return {f.name for f in _knob_fields()}
 
 
 def _knob_fields() -> list[dataclasses.Field[Any]]:

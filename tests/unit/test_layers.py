@@ -3,7 +3,8 @@
 and no files import each other in a circle.
 
     integrations > cli > facade (shardpar/__init__.py) > api > checkpoint > optim > runtime
-        > tensor_parallel > sharding > ground (config, config_v1, v1_notes, collectives, topology, precision)
+        > tensor_parallel > sharding > ground (config, config_sources, config_v1, v1_notes, collectives,
+          topology, precision)
 
 integrations/ (the Hugging Face Trainer and accelerate front ends) is the top: nothing in shardpar
 imports it, and `import shardpar` does not load transformers' Trainer or accelerate.
@@ -25,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "ground",
         (
             "shardpar.config",
+            "shardpar.config_sources",  # where knob values come from: dicts, files, the environment
             "shardpar.config_v1",
             "shardpar.v1_notes",  # the one log line for a v1 name that means something else here
             "shardpar.collectives",
