@@ -17,7 +17,7 @@ from shardpar.api.memory import release_freed_memory
 from shardpar.api.same_model import check_same_model
 from shardpar.api.summary import engine_name, log_owner_compute, log_wrap_summary
 from shardpar.checkpoint.partial import prime_fingerprint
-from shardpar.checkpoint.torch_state_dict import install as install_torch_state_dict
+from shardpar.checkpoint.torch_state_dict_shim import install as install_torch_state_dict
 from shardpar.optim.loss_scaling import make_loss_scaler
 from shardpar.optim.optimizer import DistributedOptimizer as _DistributedOptimizer
 from shardpar.runtime.materialize import refuse_nested
