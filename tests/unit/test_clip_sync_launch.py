@@ -153,11 +153,11 @@ def test_a_world_of_one_that_needs_more_ranks_says_how_to_start_them() -> None:
 def test_an_mpi_launch_is_the_same_world_for_shardpar_as_for_accelerate(no_launcher: pytest.MonkeyPatch) -> None:
     # `accelerate launch --cpu --mpirun_hostfile H --num_processes 4`: only MPI's variables, which accelerate
     # reads (and copies to WORLD_SIZE / RANK once its state starts; smp.init may come first)
-    from shardpar.api import context
+    from shardpar.api import launch_env
 
     no_launcher.setenv("PMI_SIZE", "4")
     no_launcher.setenv("PMI_RANK", "3")
-    assert context._world_and_rank() == (4, 3)
+    assert launch_env.world_and_rank() == (4, 3)
     no_launcher.setenv("WORLD_SIZE", "2")  # torchrun's come first, as in accelerate
     no_launcher.setenv("RANK", "1")
-    assert context._world_and_rank() == (2, 1)
+    assert launch_env.world_and_rank() == (2, 1)
