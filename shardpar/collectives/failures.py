@@ -119,6 +119,7 @@ class FailureBoard:
         self._store = _root(store)
         self.rank = rank
         self._prefix = f"shardpar/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self._procs: dict[int, str] = {}  # the "host|pid" each rank posted, once read (it never changes)
         self._try(lambda: self._store.set(self._key(f"proc/{rank}"), f"{host_id()}|{os.getpid()}"))
         _hook_excepthook(self)
 
@@ -164,7 +165,9 @@ class FailureBoard:
         for r in ranks:
             if r == self.rank:
                 continue
-            text = self._read(f"proc/{r}")
+            text = self._procs.get(r) or self._read(f"proc/{r}")
+            if text:  # read once: a survivor watching its group polls the pids, not the store
+                self._procs[r] = text
             host, _, pid = (text or "").rpartition("|")
             if host == here and pid.isdigit() and not pid_alive(int(pid)):
                 dead.append(r)

@@ -173,7 +173,16 @@ def test_a_member_whose_pid_goes_only_after_the_error_is_still_named(
 
     FailureBoard(store, 1)  # posts this process's pid as rank 1's
     monkeypatch.setattr(failures, "pid_alive", alive)
+    board, reads = FailureBoard(store, 0), []
+    read = board._read
+
+    def counted(name: str) -> str | None:
+        reads.append(name)
+        return read(name)
+
+    monkeypatch.setattr(board, "_read", counted)
     local = "native all_reduce on test group [0, 1] failed: Connection closed by peer [127.0.0.1]:1234"
-    message, culprit = culprit_message(FailureBoard(store, 0), local, ranks=(0, 1), culprit=None, timed_out=False)
+    message, culprit = culprit_message(board, local, ranks=(0, 1), culprit=None, timed_out=False)
     assert culprit == 1 and message == f"rank 1 failed first: its process is gone ({local})", message
     assert len(looks) == 4 and clock.sleeps == 3
+    assert reads.count("proc/1") == 1, reads  # the pid is read from the store once, then only looked at
