@@ -231,18 +231,18 @@ def write(
     return target
 
 
-def _create(path: Path) -> io.BufferedWriter:
+def _create(path: Path, attempts: int = 3) -> io.BufferedWriter:
     """Open `path` for writing, making its directory again if it went. A peer that finishes (smp.shutdown)
     removes the directory once no rank's file is in it: before this rank's first snapshot file exists
-    the directory may be empty, and go between the mkdir above and this open. Once the file is open
-    the directory is not empty, so no peer's rmdir succeeds."""
-    for _ in range(3):
-        path.parent.mkdir(parents=True, exist_ok=True)
+    the directory may be empty, and go between write's mkdir and this open. Once the file is open
+    the directory is not empty, so no peer's rmdir succeeds. Removed `attempts` times in a row is no
+    race: that error goes through."""
+    for _ in range(attempts - 1):
         try:
             return open(path, "wb")
         except FileNotFoundError:
-            continue
-    return open(path, "wb")  # a third removal in a row is no race: let its error through
+            path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "wb")
 
 
 def _older_slot(directory: Path, rank: int) -> int:
