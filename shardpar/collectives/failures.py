@@ -120,7 +120,8 @@ class FailureBoard:
         self.rank = rank
         self._prefix = f"shardpar/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self._procs: dict[int, str] = {}  # the "host|pid" each rank posted, once read (it never changes)
-        self._try(lambda: self._store.set(self._key(f"proc/{rank}"), f"{host_id()}|{os.getpid()}"))
+        self._host = host_id()
+        self._try(lambda: self._store.set(self._key(f"proc/{rank}"), f"{self._host}|{os.getpid()}"))
         _hook_excepthook(self)
 
     def _key(self, name: str) -> str:
@@ -161,7 +162,7 @@ class FailureBoard:
 
     def dead_members(self, ranks: Sequence[int]) -> list[int]:
         """Members of `ranks` on this host whose process is gone (their posted pid)."""
-        here, dead = host_id(), []
+        dead = []
         for r in ranks:
             if r == self.rank:
                 continue
@@ -169,7 +170,7 @@ class FailureBoard:
             if text:  # read once: a survivor watching its group polls the pids, not the store
                 self._procs[r] = text
             host, _, pid = (text or "").rpartition("|")
-            if host == here and pid.isdigit() and not pid_alive(int(pid)):
+            if host == self._host and pid.isdigit() and not pid_alive(int(pid)):
                 dead.append(r)
         return dead
 
